@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine (see README.md):
+#   make demo   set up .venv, then run the main job
+#   make test   set up .venv, then run the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+# torch is installed FIRST and alone: any later package that asks for "torch" then finds it
+# and pip fetches no other build (a CPU machine would otherwise download GBs of CUDA wheels).
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(VENV)/bin/python -m pip
+STAMP := $(VENV)/.ring_sp_installed
+
+.PHONY: demo test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet --no-build-isolation -e ".[test]"
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/python examples/quickstart.py
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

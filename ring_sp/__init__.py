@@ -1,0 +1,36 @@
+"""ring_sp: exact ring attention and ring x Ulysses (2D) sequence parallelism.
+
+Importing this package has no side effects: no process groups, no CUDA, no flash-attn.
+"""
+
+from .attention import hybrid_attention, ring_attention, sequence_parallel_attention, ulysses_attention
+from .comm import count_communication
+from .data import shard_batch, shift_labels
+from .layouts import LAYOUTS, gather_sequence, layout_positions, shard_sequence, unshard_sequence
+from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss
+from .module import SequenceParallelAttention
+from .topology import PLACEMENTS, SequenceParallelTopology, init_sequence_parallel, rank_grid
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LAYOUTS",
+    "PLACEMENTS",
+    "SequenceParallelAttention",
+    "SequenceParallelTopology",
+    "count_communication",
+    "gather_sequence",
+    "hybrid_attention",
+    "init_sequence_parallel",
+    "layout_positions",
+    "rank_grid",
+    "ring_attention",
+    "sequence_parallel_attention",
+    "sequence_parallel_cross_entropy",
+    "sequence_parallel_loss",
+    "shard_batch",
+    "shard_sequence",
+    "shift_labels",
+    "ulysses_attention",
+    "unshard_sequence",
+]

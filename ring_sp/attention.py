@@ -1,0 +1,165 @@
+"""Public attention entry points: ring, Ulysses and the 2D ring x Ulysses grid.
+
+All three are one function, :func:`sequence_parallel_attention`, over a Ulysses group of
+``U`` ranks and a ring group of ``R`` ranks (either may be absent = size 1):
+
+1. Ulysses all-to-all (U > 1): sequence shard -> head shard, reordered into the ring's
+   layout; KV heads are sent un-replicated when ``U`` divides ``h_kv``.
+2. Ring attention over ``R`` ranks on ``H/U`` heads (R = 1 is plain local attention).
+3. The inverse all-to-all.
+
+The input layout is defined over the whole SP group with
+``sp_rank = ring_rank * U + ulysses_rank`` (DESIGN.md section 3), so
+``shard_sequence(x, rank=sp_rank, world_size=U*R, layout=...)`` feeds every mode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .kernels import get_kernel
+from .layouts import ulysses_to_ring_reorder
+from .function import SequenceParallelFunction, UlyssesSpec
+from .ring import RingSpec, ring_comm_for
+from .topology import SequenceParallelTopology
+from .validation import check_group, check_local_length, check_options, check_qkv, resolve_scale
+
+
+def check_ulysses_heads(heads: int, kv_heads: int, ulysses_size: int) -> None:
+    """Ulysses splits query heads evenly and needs a simple KV-head mapping."""
+    if heads % ulysses_size != 0:
+        raise ValueError(
+            f"q heads ({heads}) must be divisible by ulysses_size ({ulysses_size}); choose a "
+            f"ulysses_size that divides {heads} and put the rest of the SP degree on the ring"
+        )
+    if kv_heads % ulysses_size != 0 and ulysses_size % kv_heads != 0:
+        raise ValueError(
+            f"k/v heads ({kv_heads}) and ulysses_size ({ulysses_size}) must divide one another "
+            f"(h_kv % U == 0 sends KV heads, U % h_kv == 0 replicates them); choose a ulysses_size "
+            f"that divides or is a multiple of {kv_heads}"
+        )
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def sequence_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    ulysses_group: dist.ProcessGroup | None,
+    ring_group: dist.ProcessGroup | None,
+    causal: bool = False,
+    layout: str = "zigzag",
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over a ``U x R`` grid (see the module docstring).
+
+    q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]``: this SP rank's shard of ``n`` tokens.
+    Returns out ``[b, n, h, d]`` in q's dtype, plus (``return_lse``, only when U == 1)
+    lse ``[b, h, n]`` float32. A group of None means a size-1 dimension.
+    """
+    check_qkv(q, k, v)
+    check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
+    check_group(ulysses_group, "ulysses_group")
+    check_group(ring_group, "ring_group")
+    check_local_length(layout, q.shape[1])
+    u, r = _size(ulysses_group), _size(ring_group)
+    if u > 1:
+        check_ulysses_heads(q.shape[2], k.shape[2], u)
+    if return_lse and u > 1:
+        raise ValueError("return_lse=True is only supported without Ulysses (ulysses size 1): lse is head-sharded inside")
+    ring_rank = dist.get_rank(ring_group) if ring_group is not None else 0
+    reorder = ulysses_to_ring_reorder(layout, u, r, q.shape[1] * u * r, ring_rank, q.device) if u > 1 else None
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[3])
+    spec = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel, resolve_scale(softmax_scale, q.shape[3]))
+
+    ulysses = UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None
+    out, lse = SequenceParallelFunction.apply(q, k, v, spec, ulysses)
+    return (out, lse) if return_lse else out
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = False,
+    layout: str = "zigzag",
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact ring attention over ``group`` (None = the default group).
+
+    q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]``: this rank's shard, sharded with
+    ``shard_sequence(x, rank=group rank, world_size=group size, layout=layout)``.
+    Returns out ``[b, n, h, d]`` in q's dtype; with ``return_lse`` also lse ``[b, h, n]``
+    (float32). Only KV heads travel (GQA/MQA); dK/dV are accumulated in fp32.
+    """
+    check_group(group)
+    return sequence_parallel_attention(
+        q, k, v, ulysses_group=None, ring_group=group if group is not None else dist.group.WORLD,
+        causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend, return_lse=return_lse,
+    )
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = False,
+    layout: str = "zigzag",
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """DeepSpeed-Ulysses attention over ``group`` (None = the default group).
+
+    q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]``, sharded by ``layout`` over the group
+    (every layout works: the all-to-all output is put back in natural order). Needs
+    ``h % U == 0`` and ``h_kv % U == 0`` or ``U % h_kv == 0`` (KV heads are then
+    replicated only to the ranks that need them). Returns ``[b, n, h, d]``.
+    """
+    check_group(group)
+    return sequence_parallel_attention(
+        q, k, v, ulysses_group=group if group is not None else dist.group.WORLD, ring_group=None,
+        causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
+    )
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    topology: SequenceParallelTopology,
+    causal: bool = False,
+    layout: str = "zigzag",
+    softmax_scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
+
+    q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]``: this rank's shard, sharded with
+    ``shard_sequence(x, rank=topology.sp_rank, world_size=topology.sp_size, layout=layout)``.
+    Ulysses all-to-all over U (heads must split: ``h % U == 0``), ring attention over R
+    on ``h/U`` heads with un-replicated KV, then back. ``contiguous`` and ``zigzag`` work
+    for every ``U x R``; ``striped`` when U == 1 or R == 1. Returns ``[b, n, h, d]``.
+    """
+    if not isinstance(topology, SequenceParallelTopology):
+        raise TypeError(
+            f"topology must be a SequenceParallelTopology from ring_sp.init_sequence_parallel; "
+            f"got {type(topology).__name__}"
+        )
+    return sequence_parallel_attention(
+        q, k, v, ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
+        causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
+    )

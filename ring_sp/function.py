@@ -1,0 +1,66 @@
+"""The one autograd Function behind every mode: Ulysses all-to-all (U > 1), ring (R >= 1), back.
+
+Forward: q and the packed KV go sequence -> head shard (reordered into the ring layout),
+the ring loop runs on ``H/U`` heads, the output goes head -> sequence shard. Backward runs
+the mirror image explicitly, which is what lets gradients stay in float32 until their last
+reduction: dq and un-replicated dk/dv are rounded once, then sent; dk/dv of REPLICATED KV
+heads (U > h_kv) travel in float32 and are summed over replicas before the single rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .layouts import Reorder
+from .ring import RingSpec, ring_backward, ring_forward
+from .ulysses import head_to_seq, pack_kv, seq_to_head, unpack_kv, unpack_kv_grads
+
+
+@dataclass(frozen=True)
+class UlyssesSpec:
+    """The Ulysses side of the grid: its group, size and the reorder into the ring layout."""
+
+    group: dist.ProcessGroup
+    size: int
+    reorder: Reorder | None
+
+
+class SequenceParallelFunction(torch.autograd.Function):
+    """(q, k, v) shards -> (out shard, lse); lse is only meaningful without Ulysses."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec, ulysses: UlyssesSpec | None):
+        kv_heads = k.shape[2]
+        if ulysses is not None:
+            q = seq_to_head(q, ulysses.group, ulysses.reorder, "ulysses_a2a_q")
+            k, v = unpack_kv(seq_to_head(pack_kv(k, v, ulysses.size), ulysses.group, ulysses.reorder, "ulysses_a2a_kv"))
+        out, lse = ring_forward(q, k, v, ring)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.ulysses, ctx.kv_heads = ring, ulysses, kv_heads
+        ctx.mark_non_differentiable(lse)
+        if ulysses is not None:
+            out = head_to_seq(out, ulysses.group, ulysses.reorder, "ulysses_a2a_out")
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
+        q, k, v, out, lse = ctx.saved_tensors
+        ulysses: UlyssesSpec | None = ctx.ulysses
+        dtype = q.dtype
+        if ulysses is not None:
+            dout = seq_to_head(dout.contiguous(), ulysses.group, ulysses.reorder, "ulysses_a2a_dout")
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring)
+        if ulysses is None:
+            return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None
+        dq = head_to_seq(dq.to(dtype), ulysses.group, ulysses.reorder, "ulysses_a2a_dq")
+        replicated = ctx.kv_heads % ulysses.size != 0
+        d_packed = torch.cat((dk, dv), dim=2)  # [b, U*n, 2*m, d], the layout unpack_kv split
+        if not replicated:  # one rounding now; the all-to-all moves input-dtype bytes
+            d_packed = d_packed.to(dtype)
+        d_packed = head_to_seq(d_packed, ulysses.group, ulysses.reorder, "ulysses_a2a_dkv")
+        dk, dv = unpack_kv_grads(d_packed, ctx.kv_heads, ulysses.size)
+        return dq, dk.to(dtype), dv.to(dtype), None, None
+

@@ -1,0 +1,83 @@
+"""Local attention backends and the choice between them.
+
+Backends (all follow :mod:`ring_sp.kernels.base`):
+
+``"torch"``      PyTorch's fused ops: the CPU flash op on CPU; on CUDA the flash op
+                 (fp16/bf16) or the memory-efficient op (fp32).
+``"flash_attn"`` the optional flash-attn 2/3 package (CUDA only, imported lazily).
+``"reference"``  plain PyTorch math with explicit masks: the test oracle.
+``"auto"``       the fastest available for the tensors' device and dtype:
+                 CUDA: flash_attn if installed and it supports the dtype/head_dim, else
+                 torch; on CUDA float64 (no fused op exists) reference; CPU: torch.
+
+An explicit backend that cannot run is an error that says why, never a fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionKernel, softmax_stat_dtype
+from .reference import ReferenceKernel
+from .torch_cpu import TorchCPUKernel
+
+BACKENDS = ("auto", "torch", "flash_attn", "reference")
+
+__all__ = ["AttentionKernel", "BACKENDS", "get_kernel", "softmax_stat_dtype", "unavailable_reason"]
+
+
+def unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why ``backend`` cannot run tensors of this device/dtype/head_dim, or None if it can."""
+    if backend == "reference":
+        return None
+    if backend == "torch":
+        if device.type == "cpu":
+            return None
+        if device.type == "cuda":
+            from . import torch_cuda
+
+            return torch_cuda.unavailable_reason(dtype, head_dim)
+        return f"backend='torch' has no fused attention op with logsumexp for device type {device.type!r}"
+    if backend == "flash_attn":
+        if device.type != "cuda":
+            return f"backend='flash_attn' needs CUDA tensors; got device {device}"
+        from . import flash_attn
+
+        return flash_attn.unavailable_reason(dtype, head_dim)
+    raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+
+
+def _auto_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    if device.type == "cuda":
+        for candidate in ("flash_attn", "torch"):
+            if unavailable_reason(candidate, device, dtype, head_dim) is None:
+                return candidate
+        return "reference"  # e.g. float64 on CUDA: no fused kernel exists
+    if device.type == "cpu":
+        return "torch"
+    return "reference"
+
+
+def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernel:
+    """Return the kernel object for ``backend`` ("auto" resolved for device/dtype/head_dim).
+
+    Raises ``ValueError`` for an unknown name and ``RuntimeError`` (with the reason) for a
+    known backend that cannot run here.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    name = _auto_backend(device, dtype, head_dim) if backend == "auto" else backend
+    reason = unavailable_reason(name, device, dtype, head_dim)
+    if reason is not None:
+        raise RuntimeError(f"backend={name!r} is unavailable: {reason}. Use backend='auto' or 'reference'.")
+    if name == "reference":
+        return ReferenceKernel()
+    if name == "torch":
+        if device.type == "cpu":
+            return TorchCPUKernel()
+        from .torch_cuda import TorchCUDAKernel
+
+        return TorchCUDAKernel()
+    from .flash_attn import FlashAttnKernel
+
+    return FlashAttnKernel()

@@ -1,0 +1,95 @@
+"""The contract every local attention kernel follows.
+
+A kernel computes attention of one block of queries against one block of keys on ONE
+device, and returns the softmax statistics the ring needs to merge blocks exactly.
+
+Conventions (shared by every backend, so the ring loop never branches on the backend):
+
+* Tensors are ``[batch, seq, heads, head_dim]`` ("bshd"). ``q`` has ``h`` heads,
+  ``k``/``v`` have ``h_kv`` heads with ``h % h_kv == 0`` (GQA/MQA); a kernel expands KV
+  heads internally if its op needs that, and returns ``dk``/``dv`` with ``h_kv`` heads.
+* ``lse`` is ``[batch, heads, seq_q]`` float32 (float64 for float64 inputs): the natural
+  log of the sum of ``exp(scale * q.k)`` over the keys this call saw; ``-inf`` for a row
+  that saw none.
+* ``causal=True`` is only defined for square blocks (``seq_q == seq_k``); the ring only
+  issues square masked blocks, so top-left and bottom-right alignment coincide and the
+  kernels' different conventions cannot leak into results.
+* ``backward`` receives the GLOBAL ``out`` and ``lse`` (after every block was merged),
+  which is what makes the per-block gradients sum to the exact gradient.
+* Partial results (``out``, ``dq``, ``dk``, ``dv``) come back in the inputs' dtype, or in
+  float32 when a kernel computes bf16/fp16 blocks in float32; the ring accumulates in
+  float32 (float64 for float64) either way and casts only its final result.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class AttentionKernel(Protocol):
+    """One local attention backend (see the module docstring for the contract)."""
+
+    name: str
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[b, sq, h, d]``, k/v ``[b, sk, h_kv, d]`` -> out ``[b, sq, h, d]`` (q's dtype
+        or float32) and lse ``[b, h, sq]`` (float32, float64 for float64 inputs)."""
+        ...
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients of this block given the global ``out`` ``[b, sq, h, d]`` and
+        ``lse`` ``[b, h, sq]``: dq ``[b, sq, h, d]``, dk/dv ``[b, sk, h_kv, d]``."""
+        ...
+
+
+def softmax_stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of lse and of the fp32 accumulators: float64 stays float64, all else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_block_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    """Shape contract shared by every backend; raises ``ValueError`` naming the argument."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D [batch, seq, heads, head_dim]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q and k must agree on batch and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}"
+        )
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for GQA/MQA"
+        )
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"causal=True needs a square block (seq_q == seq_k) so that the mask alignment "
+            f"cannot differ between kernels; got seq_q={q.shape[1]}, seq_k={k.shape[1]}"
+        )
+
+
+def empty_block_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a block with no keys: out 0, lse -inf. Some ops crash on empty inputs."""
+    b, s, h, _ = q.shape
+    out = torch.zeros_like(q)
+    lse = torch.full((b, h, s), float("-inf"), dtype=softmax_stat_dtype(q.dtype), device=q.device)
+    return out, lse

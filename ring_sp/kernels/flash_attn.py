@@ -1,0 +1,169 @@
+"""The optional flash-attn 2/3 backend (CUDA only).
+
+flash-attn cannot even be installed without CUDA, so nothing here imports it at module
+import time: ``_interface`` imports it once, on first use. We call its low-level forward and
+backward (not the autograd wrappers) because the ring's backward must take the GLOBAL
+``out``/``lse``. flash-attn takes ``[b, s, h, d]`` and ``h_kv`` KV heads natively, returns lse
+``[b, h, sq]`` fp32, and writes the backward into the dq/dk/dv buffers we pass (dk/dv with
+``h_kv`` heads). Causal masks are bottom-right aligned (>= 2.1), which equals top-left for the
+square blocks the contract allows.
+
+Signatures of ``_flash_attn_forward`` / ``_flash_attn_backward`` by release:
+
+=============  ==================================================================================
+FA2 2.1-2.2    fwd(q, k, v, dropout_p, softmax_scale, causal, return_softmax)
+               bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+               rng_state=None)
+FA2 2.3        both + window_size=(left, right) after causal
+FA2 2.4-2.5    both + alibi_slopes; bwd + deterministic
+FA2 2.6        both + softcap
+FA2 >= 2.7     window_size -> window_size_left, window_size_right; torch custom ops
+FA3 (hopper)   many optional inputs (k_new, qv, cu_seqlens_*, page_table, ...), no dropout/alibi;
+               the bwd flag is ``causal`` or (newest) ``is_causal``
+=============  ==================================================================================
+
+The forward returns (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state) before FA2 2.7
+and (out, softmax_lse, ...) from FA2 2.7 and in FA3. ``_forward`` and ``_backward`` below hold
+every one of these differences.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .base import check_block_shapes, empty_block_result
+
+_NOT_INSTALLED = "flash-attn is not installed: pip install 'ring-sp[flash]' on a CUDA machine"
+
+
+@functools.lru_cache(maxsize=None)
+def _interface() -> ModuleType | str:
+    """flash-attn's low-level interface module, or why it cannot be imported (tried once)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9:
+        try:  # FA3 is built from hopper/ and runs on sm90 only
+            import flash_attn_interface
+
+            return flash_attn_interface
+        except ImportError:
+            pass
+    try:
+        from flash_attn import flash_attn_interface
+    except ImportError as exc:
+        if exc.name == "flash_attn":
+            return _NOT_INSTALLED
+        return f"flash-attn is installed but failed to import ({exc})"
+    return flash_attn_interface
+
+
+def unavailable_reason(dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why flash-attn cannot run ``dtype``/``head_dim`` on the current GPU, or None."""
+    interface = _interface()
+    if isinstance(interface, str):
+        return interface
+    if not torch.cuda.is_available():
+        return "CUDA is not available here (torch.cuda.is_available() is False)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attn takes float16 or bfloat16, not {dtype}"
+    if head_dim % 8 or not 0 < head_dim <= 256:
+        # its low-level entry points require a multiple of 8 (only the autograd wrappers pad)
+        return f"flash-attn needs head_dim a multiple of 8 and <= 256; got {head_dim}"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"flash-attn needs an Ampere (sm80) or newer GPU; this one is sm{major}{minor}"
+    return None
+
+
+def _module() -> ModuleType:
+    interface = _interface()
+    if isinstance(interface, str):
+        raise RuntimeError(interface)
+    return interface
+
+
+# Arguments the ring never varies, under every name some release gives them (see the table).
+_FIXED = dict(
+    dropout_p=0.0, window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None
+)
+
+
+def _call(fn: Callable[..., Any], values: dict[str, Any]) -> Any:
+    """Call a flash-attn entry point by parameter name. Names in ``values`` get that value;
+    other parameters keep their default, or get None if they have none (FA3's optional inputs)."""
+    # torch.library.custom_op (FA2 >= 2.7 on torch >= 2.4, newest FA3) keeps the Python function in _init_fn
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    return fn(**{name: values.get(name) for name, p in params.items() if name in values or p.default is p.empty})
+
+
+def _forward(
+    fa: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out ``[b, sq, h, d]``, lse ``[b, h, sq]``) from any supported flash-attn release."""
+    res = _call(
+        fa._flash_attn_forward,
+        dict(_FIXED, q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False),
+    )
+    return res[0], res[5] if len(res) == 8 else res[1]  # 8 items: FA2 < 2.7 (see the module docstring)
+
+
+def _backward(
+    fa: ModuleType,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq/dk/dv from any supported flash-attn release (every one writes into buffers we pass)."""
+    dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    _call(
+        fa._flash_attn_backward,
+        dict(
+            _FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
+            softmax_scale=scale, causal=causal, is_causal=causal,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+        ),
+    )
+    return dq, dk, dv
+
+
+class FlashAttnKernel:
+    """flash-attn 2 (or 3 on Hopper) forward/backward with global-statistics backward."""
+
+    name = "flash_attn"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[b, sq, h, d]``, k/v ``[b, sk, h_kv, d]`` -> out ``[b, sq, h, d]``, lse ``[b, h, sq]`` fp32."""
+        check_block_shapes(q, k, v, causal)
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return empty_block_result(q)
+        return _forward(_module(), q, k, v, causal, scale)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients given the GLOBAL out ``[b, sq, h, d]`` and lse ``[b, h, sq]``:
+        dq ``[b, sq, h, d]``, dk/dv ``[b, sk, h_kv, d]`` in the inputs' dtype."""
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # the kernels index lse as a dense [b, h, sq] buffer
+        return _backward(_module(), dout, q, k, v, out, lse.contiguous(), causal, scale)

@@ -1,0 +1,186 @@
+"""Sequence layouts: which global token positions each sequence-parallel rank holds.
+
+With ``P`` ranks and global length ``N`` (DESIGN.md section 3):
+
+* ``contiguous``: rank i holds ``[i*N/P, (i+1)*N/P)``.
+* ``zigzag`` (the default): ``2P`` equal chunks; rank i holds chunk i then chunk
+  ``2P-1-i``. This is Megatron's ``get_batch_on_this_cp_rank`` convention.
+* ``striped``: rank i holds tokens ``i, i+P, i+2P, ...``.
+
+Everything else (sharding, gathering, the post-Ulysses reorder, work counts) is derived
+from one function, :func:`layout_positions`, so the layout is defined exactly once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def check_layout(layout: str, world_size: int, seq_len: int, *, name: str = "seq_len") -> None:
+    """Raise ``ValueError`` unless ``layout`` can split ``seq_len`` tokens over ``world_size`` ranks."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
+    multiple = 2 * world_size if layout == "zigzag" else world_size
+    if seq_len % multiple != 0 or seq_len == 0:
+        raise ValueError(
+            f"{name}={seq_len} must be a positive multiple of {multiple} for layout={layout!r} "
+            f"over {world_size} ranks; pad the sequence to a multiple of {multiple}"
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(layout: str, world_size: int, seq_len: int) -> torch.Tensor:
+    if layout == "contiguous":
+        return torch.arange(seq_len).view(world_size, -1)
+    if layout == "zigzag":
+        chunks = torch.arange(seq_len).view(2 * world_size, -1)
+        ranks = torch.arange(world_size)
+        return torch.cat([chunks[ranks], chunks[2 * world_size - 1 - ranks]], dim=1)
+    # striped: token t lives on rank t % P at local index t // P
+    return torch.arange(seq_len).view(-1, world_size).t().contiguous()
+
+
+def layout_positions(layout: str, world_size: int, seq_len: int) -> torch.Tensor:
+    """Global positions held by each rank: LongTensor ``[world_size, seq_len // world_size]``,
+    row i listing rank i's tokens in its local order. Read-only (cached)."""
+    check_layout(layout, world_size, seq_len)
+    return _positions(layout, world_size, seq_len)
+
+
+@functools.lru_cache(maxsize=256)
+def _index_on(layout: str, world_size: int, seq_len: int, rank: int | None, device: torch.device) -> torch.Tensor:
+    positions = _positions(layout, world_size, seq_len)
+    index = positions.reshape(-1).argsort() if rank is None else positions[rank]
+    return index.to(device)
+
+
+def shard_sequence(x: torch.Tensor, *, rank: int, world_size: int, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """This rank's shard of a global sequence tensor.
+
+    ``x`` has the global length ``N`` along ``dim`` (e.g. ``[b, N, h, d]`` or ``[b, N]``);
+    returns the same shape with ``N / world_size`` along ``dim``, in the layout's local
+    order. Differentiable (the gradient scatters back into the global positions).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+    dim = dim % x.dim()
+    check_layout(layout, world_size, x.shape[dim], name=f"x.shape[{dim}]")
+    return x.index_select(dim, _index_on(layout, world_size, x.shape[dim], rank, x.device))
+
+
+def unshard_sequence(shards: torch.Tensor, *, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence` for all shards at once, without communication.
+
+    ``shards`` stacks every rank's shard along a new leading dim: ``[P, ...]`` with the
+    local length along ``dim + 1``; returns the global tensor in natural token order.
+    """
+    world_size = shards.shape[0]
+    dim = dim % (shards.dim() - 1)
+    concatenated = torch.cat(shards.unbind(0), dim=dim)
+    seq_len = concatenated.shape[dim]
+    check_layout(layout, world_size, seq_len, name="total sequence length")
+    return concatenated.index_select(dim, _index_on(layout, world_size, seq_len, None, concatenated.device))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """all_gather of equal shards + reorder; backward keeps this rank's slice of the
+    (identical on every rank) upstream gradient, so per-rank grads are not scaled by P."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, layout: str, dim: int,
+                layout_ranks: tuple[int, ...] | None) -> torch.Tensor:
+        world_size = dist.get_world_size(group)
+        group_rank = dist.get_rank(group)
+        ctx.rank = layout_ranks[group_rank] if layout_ranks is not None else group_rank
+        ctx.world_size, ctx.layout, ctx.dim = world_size, layout, dim
+        parts = [torch.empty_like(x) for _ in range(world_size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        if layout_ranks is not None:  # put the shards in layout-rank order
+            by_layout_rank = [parts[0]] * world_size
+            for g, part in enumerate(parts):
+                by_layout_rank[layout_ranks[g]] = part
+            parts = by_layout_rank
+        return unshard_sequence(torch.stack(parts), layout=layout, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        mine = shard_sequence(grad, rank=ctx.rank, world_size=ctx.world_size, layout=ctx.layout, dim=ctx.dim)
+        return mine, None, None, None, None
+
+
+def gather_sequence(
+    x: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+    dim: int = 1,
+    layout_ranks: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Gather every rank's shard into the global sequence, in natural token order, on every rank.
+
+    ``x``: this rank's shard, local length ``n`` along ``dim``; returns length
+    ``n * world_size`` along ``dim``. ``group=None`` is the default group. The group rank
+    is the layout rank unless ``layout_ranks[group_rank]`` says otherwise (use
+    ``topology.gather_sequence``, which passes it). Differentiable: the backward returns
+    this rank's slice of the gradient (all ranks are assumed to compute the same function
+    of the gathered tensor, as in a replicated loss).
+    """
+    if x.dim() == 0:
+        raise ValueError("x must have a sequence dimension; got a 0-d tensor")
+    dim = dim % x.dim()
+    return _GatherSequence.apply(x, group, layout, dim, layout_ranks)
+
+
+def ulysses_to_ring_order(layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int) -> torch.Tensor | None:
+    """Reorder that turns the Ulysses all-to-all output into the ring's layout.
+
+    The layout is defined over the SP group with ``sp_rank = ring_rank * U + ulysses_rank``.
+    After the all-to-all, ring rank ``r`` holds its ``U`` members' shards concatenated in
+    Ulysses-rank order. Returns the index ``idx`` (LongTensor, length ``U * N / (U*R)``)
+    with ``ring_layout_shard = gathered[idx]``, or None when no reorder is needed
+    (``contiguous``, or U == 1). Raises ``ValueError`` when the gathered tokens are not a
+    ring layout shard at all (``striped`` with U > 1 and R > 1).
+    """
+    sp_size = ulysses_size * ring_size
+    gathered = layout_positions(layout, sp_size, seq_len)[ring_rank * ulysses_size:(ring_rank + 1) * ulysses_size].reshape(-1)
+    target = layout_positions(layout, ring_size, seq_len)[ring_rank]
+    if torch.equal(gathered, target):
+        return None
+    where = torch.full((seq_len,), -1, dtype=torch.long)
+    where[gathered] = torch.arange(gathered.numel())
+    index = where[target]
+    if (index < 0).any():
+        raise ValueError(
+            f"layout={layout!r} cannot be combined with ulysses_size={ulysses_size} and "
+            f"ring_size={ring_size}: after the Ulysses all-to-all a ring rank does not hold a "
+            f"{layout!r} shard of the ring. Use layout='zigzag' or 'contiguous' (or ring_size=1 "
+            f"or ulysses_size=1)."
+        )
+    return index
+
+
+@dataclass(frozen=True)
+class Reorder:
+    """A token permutation along the sequence dim and its inverse (both on one device)."""
+
+    index: torch.Tensor
+    inverse: torch.Tensor
+
+
+@functools.lru_cache(maxsize=256)
+def ulysses_to_ring_reorder(
+    layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int, device: torch.device
+) -> Reorder | None:
+    """:func:`ulysses_to_ring_order` with its inverse, cached on ``device``."""
+    index = ulysses_to_ring_order(layout, ulysses_size, ring_size, seq_len, ring_rank)
+    if index is None:
+        return None
+    return Reorder(index.to(device), index.argsort().to(device))

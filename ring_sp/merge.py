@@ -1,0 +1,34 @@
+"""The online-softmax merge of partial attention results (DESIGN.md section 4).
+
+Each block of keys gives a partial ``(out_b, lse_b)``; merging into the running
+``(out, lse)`` in float32 is exact up to rounding::
+
+    lse_new = logaddexp(lse, lse_b)
+    out_new = out * exp(lse - lse_new) + out_b * exp(lse_b - lse_new)
+
+``torch.logaddexp`` cannot overflow, and ``-inf`` rows are guarded: a block with no
+visible key (``lse_b = -inf``) contributes nothing, and a row that has seen no key yet
+(both ``-inf``) stays ``out = 0, lse = -inf`` instead of ``-inf - -inf = NaN``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _weight(lse_part: torch.Tensor, lse_total: torch.Tensor) -> torch.Tensor:
+    """``exp(lse_part - lse_total)`` as ``[b, s, h, 1]`` to scale a ``[b, s, h, d]`` output;
+    0 where the row has seen no key at all (``lse_total = -inf``)."""
+    safe_total = lse_total.masked_fill(torch.isneginf(lse_total), 0.0)
+    return torch.exp(lse_part - safe_total).transpose(1, 2).unsqueeze(-1)
+
+
+def merge_block_(out: torch.Tensor, lse: torch.Tensor, out_block: torch.Tensor, lse_block: torch.Tensor) -> None:
+    """Merge one block's result into the running accumulators, in place.
+
+    out ``[b, s, h, d]`` and lse ``[b, h, s]``: the accumulators (float32/64, views allowed);
+    out_block ``[b, s, h, d]`` (any float dtype) and lse_block ``[b, h, s]``: the new block.
+    """
+    lse_new = torch.logaddexp(lse, lse_block)
+    out.mul_(_weight(lse, lse_new)).add_(out_block.to(out.dtype) * _weight(lse_block, lse_new))
+    lse.copy_(lse_new)

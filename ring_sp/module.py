@@ -1,0 +1,48 @@
+"""``SequenceParallelAttention``: the one module the DeepSpeed and Megatron glue wraps."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import hybrid_attention
+from .topology import SequenceParallelTopology
+from .validation import check_options
+
+
+class SequenceParallelAttention(nn.Module):
+    """Core attention (no projections) over a ``U x R`` sequence-parallel grid.
+
+    ``forward(q, k, v)`` takes q ``[b, n, h, d]`` and k/v ``[b, n, h_kv, d]`` (this
+    rank's shard, in ``layout`` over ``topology.sp_rank``) and returns ``[b, n, h, d]``.
+    Holds no parameters, so checkpoints do not depend on the grid shape.
+    """
+
+    def __init__(
+        self,
+        topology: SequenceParallelTopology,
+        *,
+        causal: bool = True,
+        layout: str = "zigzag",
+        backend: str = "auto",
+        softmax_scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(topology, SequenceParallelTopology):
+            raise TypeError(f"topology must be a SequenceParallelTopology; got {type(topology).__name__}")
+        check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
+        self.topology = topology
+        self.causal = causal
+        self.layout = layout
+        self.backend = backend
+        self.softmax_scale = softmax_scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return hybrid_attention(
+            q, k, v, topology=self.topology, causal=self.causal, layout=self.layout,
+            softmax_scale=self.softmax_scale, backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        t = self.topology
+        return f"ulysses={t.ulysses_size}, ring={t.ring_size}, causal={self.causal}, layout={self.layout!r}, backend={self.backend!r}"

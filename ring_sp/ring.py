@@ -1,0 +1,136 @@
+"""Ring attention: the one forward loop and the one backward loop (DESIGN.md section 4).
+
+Each ring rank keeps its queries; the packed ``[k; v]`` shard travels to the next rank
+every step while the current one is being used (double buffer, posted before compute).
+The layout only enters through :func:`ring_sp.schedule.ring_step_tasks`, which says what
+to compute at each step, so every layout shares these two loops. In the backward pass
+the fp32 ``[dk; dv]`` accumulator travels with its KV shard and arrives home after ``R``
+sends; ``dq`` stays local.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import PendingExchange, RingComm
+from .kernels import AttentionKernel, softmax_stat_dtype
+from .merge import merge_block_
+from .schedule import ring_step_tasks
+
+
+class RingSpec:
+    """Everything the loops need besides tensors: the ring, the layout, the mask, the kernel."""
+
+    def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float) -> None:
+        self.comm = comm
+        self.layout = layout
+        self.causal = causal
+        self.kernel = kernel
+        self.scale = scale
+        self.world_size = comm.world_size if comm is not None else 1
+        self.rank = comm.rank if comm is not None else 0
+
+    def steps(self, local_len: int):
+        """(step, tasks) for every step; the KV at step t comes from rank (rank - t) mod R."""
+        for step in range(self.world_size):
+            source = (self.rank - step) % self.world_size
+            yield step, ring_step_tasks(self.layout, self.causal, self.rank, source, local_len)
+
+    def rotate(self, send: torch.Tensor, recv: torch.Tensor, kind: str) -> PendingExchange:
+        assert self.comm is not None  # only called when world_size > 1
+        return self.comm.exchange(send, recv, kind)
+
+
+def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One ``[2, b, s, h_kv, d]`` buffer, so each step sends one message, not two."""
+    packed = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    packed[0].copy_(k)
+    packed[1].copy_(v)
+    return packed
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]`` (this rank's shards) -> out ``[b, n, h, d]``
+    in q's dtype and lse ``[b, h, n]`` (float32; float64 for float64 inputs)."""
+    b, n, h, d = q.shape
+    acc_dtype = softmax_stat_dtype(q.dtype)
+    out = torch.zeros((b, n, h, d), dtype=acc_dtype, device=q.device)
+    lse = torch.full((b, h, n), float("-inf"), dtype=acc_dtype, device=q.device)
+    many = spec.world_size > 1
+    kv = _pack_kv(k, v) if many else (k, v)
+    kv_next = torch.empty_like(kv) if many else None
+    for step, tasks in spec.steps(n):
+        pending = spec.rotate(kv, kv_next, "ring_kv") if step + 1 < spec.world_size else None
+        for task in tasks:
+            out_b, lse_b = spec.kernel.forward(
+                q[:, task.q], kv[0][:, task.kv], kv[1][:, task.kv], causal=task.causal, scale=spec.scale
+            )
+            merge_block_(out[:, task.q], lse[:, :, task.q], out_b, lse_b)
+        if pending is not None:
+            pending.wait()
+            kv, kv_next = kv_next, kv
+    return out.to(q.dtype), lse
+
+
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    spec: RingSpec,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients for this rank's shards: dq ``[b, n, h, d]``, dk/dv ``[b, n, h_kv, d]``,
+    given the global ``out`` and ``lse`` from :func:`ring_forward`. They are returned in
+    the float32 (float64) accumulator dtype: the caller casts once, after any further
+    reduction (Ulysses sums replicated KV-head gradients), so nothing is rounded twice."""
+    n = q.shape[1]
+    acc_dtype = softmax_stat_dtype(q.dtype)
+    many = spec.world_size > 1
+    # Accumulators are allocated explicitly: ``x.to(torch.float32)`` would alias an fp32 x.
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dkv = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device)
+    dkv_next = torch.empty_like(dkv) if many else None
+    kv = _pack_kv(k, v) if many else (k, v)
+    kv_next = torch.empty_like(kv) if many else None
+    dout = dout.contiguous()
+    kv_pending: PendingExchange | None = None
+    dkv_pending: PendingExchange | None = None
+    for step, tasks in spec.steps(n):
+        if step + 1 < spec.world_size:
+            kv_pending = spec.rotate(kv, kv_next, "ring_kv")
+        grads = [
+            (
+                task,
+                spec.kernel.backward(
+                    dout[:, task.q], q[:, task.q], kv[0][:, task.kv], kv[1][:, task.kv],
+                    out[:, task.q], lse[:, :, task.q].contiguous(), causal=task.causal, scale=spec.scale,
+                ),
+            )
+            for task in tasks
+        ]
+        if dkv_pending is not None:  # the accumulator of the KV we now hold arrives
+            dkv_pending.wait()
+            dkv, dkv_next = dkv_next, dkv
+        for task, (dq_b, dk_b, dv_b) in grads:
+            dq[:, task.q] += dq_b
+            dkv[0][:, task.kv] += dk_b
+            dkv[1][:, task.kv] += dv_b
+        if many:  # pass the accumulator on with its KV; after R sends it is home
+            dkv_pending = spec.rotate(dkv, dkv_next, "ring_dkv")
+        if kv_pending is not None:
+            kv_pending.wait()
+            kv, kv_next = kv_next, kv
+            kv_pending = None
+    if dkv_pending is not None:
+        dkv_pending.wait()
+        dkv = dkv_next
+    return dq, dkv[0], dkv[1]
+
+
+def ring_comm_for(group: dist.ProcessGroup | None) -> RingComm | None:
+    """The ring over ``group`` (None = default group), or None for a ring of one rank."""
+    comm = RingComm(group)
+    return comm if comm.world_size > 1 else None

@@ -1,0 +1,253 @@
+"""The process-group topology of a ``DP x (U x R)`` sequence-parallel job.
+
+``init_sequence_parallel`` builds, on every rank and in the same order, every group a
+training job needs, and returns them in one object: nothing is stored in module
+globals, so two topologies can coexist (DESIGN.md section 6).
+
+Rank math (pure, see :func:`rank_grid`): the parent group's ranks are split into
+``DP`` consecutive blocks of ``SP = U * R`` ranks (DP outermost, as in DeepSpeed and
+Megatron). Inside a block, position ``p`` is
+
+* ``ulysses_inner`` (default): ``p = ring_rank * U + ulysses_rank`` - a Ulysses group is
+  ``U`` consecutive ranks (one node's fast links carry the all-to-all);
+* ``ring_inner``: ``p = ulysses_rank * R + ring_rank`` - a ring is ``R`` consecutive ranks.
+
+Whatever the placement, the sequence layout uses ``sp_rank = ring_rank * U + ulysses_rank``
+(:attr:`SequenceParallelTopology.sp_rank`); shard inputs with that, not the group rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from .data import shard_batch
+from .layouts import gather_sequence, shard_sequence
+
+PLACEMENTS = ("ulysses_inner", "ring_inner")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    dp_rank: int
+    ring_rank: int
+    ulysses_rank: int
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Every group of a ``DP x (U x R)`` grid as lists of positions ``0..num_ranks-1``."""
+
+    num_ranks: int
+    ulysses_size: int
+    ring_size: int
+    placement: str
+    sp_groups: list[list[int]] = field(default_factory=list)
+    ulysses_groups: list[list[int]] = field(default_factory=list)
+    ring_groups: list[list[int]] = field(default_factory=list)
+    dp_groups: list[list[int]] = field(default_factory=list)
+
+    @property
+    def sp_size(self) -> int:
+        return self.ulysses_size * self.ring_size
+
+    @property
+    def dp_size(self) -> int:
+        return self.num_ranks // self.sp_size
+
+    def position(self, dp_rank: int, ring_rank: int, ulysses_rank: int) -> int:
+        if self.placement == "ulysses_inner":
+            inner = ring_rank * self.ulysses_size + ulysses_rank
+        else:
+            inner = ulysses_rank * self.ring_size + ring_rank
+        return dp_rank * self.sp_size + inner
+
+    def coordinates(self, position: int) -> Coordinates:
+        dp_rank, inner = divmod(position, self.sp_size)
+        if self.placement == "ulysses_inner":
+            ring_rank, ulysses_rank = divmod(inner, self.ulysses_size)
+        else:
+            ulysses_rank, ring_rank = divmod(inner, self.ring_size)
+        return Coordinates(dp_rank, ring_rank, ulysses_rank)
+
+
+def check_sizes(ulysses_size: object, ring_size: object, placement: object, num_ranks: int) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the bad size (the failing equation included)."""
+    for name, value in (("ulysses_size", ulysses_size), ("ring_size", ring_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r} is not one of {PLACEMENTS}")
+    sp = ulysses_size * ring_size  # type: ignore[operator]
+    if num_ranks % sp != 0:
+        raise ValueError(
+            f"the group's {num_ranks} ranks are not divisible by ulysses_size x ring_size = "
+            f"{ulysses_size} x {ring_size} = {sp} ({num_ranks} % {sp} = {num_ranks % sp}); "
+            f"choose sizes whose product divides {num_ranks}"
+        )
+
+
+def rank_grid(num_ranks: int, ulysses_size: int, ring_size: int, placement: str = "ulysses_inner") -> RankGrid:
+    """The groups of a ``DP x (U x R)`` grid over positions ``0..num_ranks-1`` (pure)."""
+    check_sizes(ulysses_size, ring_size, placement, num_ranks)
+    grid = RankGrid(num_ranks, ulysses_size, ring_size, placement)
+    dps, rs, us = range(grid.dp_size), range(ring_size), range(ulysses_size)
+    grid.sp_groups.extend(sorted(grid.position(d, r, u) for r in rs for u in us) for d in dps)
+    grid.ulysses_groups.extend([grid.position(d, r, u) for u in us] for d in dps for r in rs)
+    grid.ring_groups.extend([grid.position(d, r, u) for r in rs] for d in dps for u in us)
+    grid.dp_groups.extend(sorted(grid.position(d, r, u) for d in dps) for r in rs for u in us)
+    return grid
+
+
+@dataclass(frozen=True)
+class SequenceParallelTopology:
+    """All groups of this rank in a ``DP x (U x R)`` job, and its coordinates.
+
+    ``sp_group``: the ``U*R`` ranks sharing one sample; ``ulysses_group`` / ``ring_group``:
+    this rank's Ulysses and ring groups (group rank = ``ulysses_rank`` / ``ring_rank``);
+    ``dp_group``: ranks holding the same sequence shard of different samples;
+    ``dp_sp_group``: all ``DP x SP`` ranks, over which gradients are averaged.
+    """
+
+    ulysses_size: int
+    ring_size: int
+    placement: str
+    dp_size: int
+    rank: int
+    dp_rank: int
+    ring_rank: int
+    ulysses_rank: int
+    sp_group: dist.ProcessGroup
+    ulysses_group: dist.ProcessGroup
+    ring_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    dp_sp_group: dist.ProcessGroup
+    sp_group_layout_ranks: tuple[int, ...]  # sp_rank of each sp_group rank
+
+    @property
+    def sp_size(self) -> int:
+        return self.ulysses_size * self.ring_size
+
+    @property
+    def sp_rank(self) -> int:
+        """The rank the sequence layout uses: ``ring_rank * U + ulysses_rank``."""
+        return _layout_rank(Coordinates(self.dp_rank, self.ring_rank, self.ulysses_rank), self.ulysses_size)
+
+    def shard_sequence(self, x: torch.Tensor, *, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+        """This rank's shard of a global sequence tensor (length N along ``dim`` -> N / sp_size)."""
+        return shard_sequence(x, rank=self.sp_rank, world_size=self.sp_size, layout=layout, dim=dim)
+
+    def gather_sequence(self, x: torch.Tensor, *, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+        """The global sequence from every SP rank's shard, in natural order (differentiable)."""
+        return gather_sequence(x, group=self.sp_group, layout=layout, dim=dim, layout_ranks=self.sp_group_layout_ranks)
+
+    def shard_batch(self, batch: Mapping[str, torch.Tensor], *, layout: str = "zigzag", shift: bool = True) -> dict[str, torch.Tensor]:
+        """:func:`ring_sp.shard_batch` for this rank's ``sp_rank``."""
+        return shard_batch(batch, rank=self.sp_rank, world_size=self.sp_size, layout=layout, shift=shift)
+
+    def __repr__(self) -> str:
+        return (
+            f"SequenceParallelTopology(dp={self.dp_size} x (ulysses={self.ulysses_size} x "
+            f"ring={self.ring_size}), placement={self.placement!r}, rank={self.rank}, "
+            f"dp_rank={self.dp_rank}, sp_rank={self.sp_rank}, ring_rank={self.ring_rank}, "
+            f"ulysses_rank={self.ulysses_rank})"
+        )
+
+
+def _parent_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def init_sequence_parallel(
+    ulysses_size: int,
+    ring_size: int,
+    *,
+    placement: str = "ulysses_inner",
+    group: dist.ProcessGroup | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> SequenceParallelTopology:
+    """Create the ``DP x (U x R)`` groups over ``group`` (None = the default group).
+
+    Collective over the DEFAULT group: every rank must call it, each passing its own
+    ``group`` when the job splits into several parents (e.g. Megatron's context-parallel
+    groups); the parents are exchanged so every rank creates every group in one order.
+    ``timeout`` bounds every collective on the new groups (default: the backend's).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call torch.distributed.init_process_group first")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup or None; got {type(group).__name__} {group!r}")
+    mine = _parent_ranks(group)
+    if group is None:
+        parents = [mine]
+    else:  # every rank learns every parent, so all create the same groups in the same order
+        gathered: list[list[int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        parents = sorted({tuple(p) for p in gathered if p is not None})  # type: ignore[misc]
+        parents = [list(p) for p in parents]
+        _check_disjoint(parents)
+    for parent in parents:  # same check on every rank, so all raise together
+        check_sizes(ulysses_size, ring_size, placement, len(parent))
+
+    me = dist.get_rank()
+    found: dict[str, dist.ProcessGroup] = {}
+    separate_whole = group is not None or timeout is not None  # else WORLD serves as DP x SP
+    for parent in parents:
+        grid = rank_grid(len(parent), ulysses_size, ring_size, placement)
+        for kind, groups in (("sp", grid.sp_groups), ("ulysses", grid.ulysses_groups),
+                             ("ring", grid.ring_groups), ("dp", grid.dp_groups)):
+            for positions in groups:
+                ranks = [parent[p] for p in positions]
+                created = dist.new_group(ranks, timeout=timeout)
+                if me in ranks:
+                    found[kind] = created
+        whole = dist.new_group(parent, timeout=timeout) if separate_whole else dist.group.WORLD
+        if me in parent:
+            found["dp_sp"] = whole
+            coords = grid.coordinates(parent.index(me))
+            my_sp_group = [parent[p] for p in grid.sp_groups[coords.dp_rank]]
+            sp_layout_ranks = tuple(
+                _layout_rank(grid.coordinates(parent.index(rank)), ulysses_size) for rank in sorted(my_sp_group)
+            )
+    return SequenceParallelTopology(
+        ulysses_size=ulysses_size, ring_size=ring_size, placement=placement, dp_size=len(mine) // (ulysses_size * ring_size),
+        rank=me, dp_rank=coords.dp_rank, ring_rank=coords.ring_rank, ulysses_rank=coords.ulysses_rank,
+        sp_group=found["sp"], ulysses_group=found["ulysses"], ring_group=found["ring"], dp_group=found["dp"],
+        dp_sp_group=found["dp_sp"], sp_group_layout_ranks=sp_layout_ranks,
+    )
+
+
+def _layout_rank(coords: Coordinates, ulysses_size: int) -> int:
+    return coords.ring_rank * ulysses_size + coords.ulysses_rank
+
+
+def _check_disjoint(parents: list[list[int]]) -> None:
+    seen: dict[int, list[int]] = {}
+    for parent in parents:
+        for rank in parent:
+            if rank in seen:
+                raise ValueError(
+                    f"the groups passed as group= overlap: rank {rank} is in both {seen[rank]} and {parent}; "
+                    f"pass disjoint groups (one per data/model-parallel replica)"
+                )
+            seen[rank] = parent
+
+
+def topology_ranks(topology: SequenceParallelTopology) -> dict[str, list[int]]:
+    """Global ranks of each group of ``topology`` (for logs and tests)."""
+    return {
+        name: dist.get_process_group_ranks(getattr(topology, f"{name}_group"))
+        for name in ("sp", "ulysses", "ring", "dp", "dp_sp")
+    }
+
+
+__all__ = ["PLACEMENTS", "RankGrid", "SequenceParallelTopology", "init_sequence_parallel", "rank_grid", "topology_ranks"]

@@ -1,0 +1,100 @@
+"""Argument checks every public entry point runs on every rank BEFORE its first collective.
+
+Each check raises ``TypeError``/``ValueError`` naming the argument, its value and the fix
+(never ``assert``, which ``python -O`` strips). A check here needs no communication: it
+looks only at this rank's arguments (cross-rank agreement is a separate, collective step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .kernels import BACKENDS
+from .layouts import LAYOUTS
+
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
+    return f"{type(x).__name__} {x!r}"
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q ``[b, s, h, d]``, k/v ``[b, s_kv, h_kv, d]``, same dtype and device, h % h_kv == 0."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [batch, seq_local, heads, head_dim]; got {_describe(t)}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D [batch, seq_local, heads, head_dim]; got shape {tuple(t.shape)}. "
+                f"Megatron's [seq, batch, heads, head_dim] must be transposed first."
+            )
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name}.dtype={t.dtype} is not supported; use one of {_FLOAT_DTYPES}")
+        if 0 in t.shape:
+            raise ValueError(f"{name} has an empty dimension: shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}. Cast them first.")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device; got q {q.device}, k {k.device}, v {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size; got q.shape[0]={q.shape[0]}, k.shape[0]={k.shape[0]}")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"q and k must have the same local sequence length (self-attention shards); "
+            f"got q.shape[1]={q.shape[1]}, k.shape[1]={k.shape[1]}"
+        )
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must have the same head_dim; got q.shape[3]={q.shape[3]}, k.shape[3]={k.shape[3]}")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for GQA/MQA; "
+            f"got q.shape[2]={q.shape[2]}, k.shape[2]={k.shape[2]}"
+        )
+
+
+def check_options(*, causal: object, layout: object, softmax_scale: object, backend: object) -> None:
+    """The non-tensor options shared by every attention entry point."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool; got {_describe(causal)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None; got {_describe(softmax_scale)}")
+        if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+            raise ValueError(f"softmax_scale={softmax_scale} must be finite and > 0 (None means 1/sqrt(head_dim))")
+
+
+def resolve_scale(softmax_scale: float | None, head_dim: int) -> float:
+    return float(softmax_scale) if softmax_scale is not None else head_dim ** -0.5
+
+
+def check_group(group: object, name: str = "group") -> None:
+    """``group`` is a ProcessGroup or None, and torch.distributed is initialised."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup or None; got {_describe(group)}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"torch.distributed is not initialized ({name}={group!r}); call "
+            f"torch.distributed.init_process_group(...) first (a single process may use world_size=1)"
+        )
+
+
+def check_local_length(layout: str, local_len: int, *, name: str = "q.shape[1]") -> None:
+    """zigzag splits every shard into two equal chunks, so the local length must be even."""
+    if layout == "zigzag" and local_len % 2 != 0:
+        raise ValueError(
+            f"{name}={local_len} must be even for layout='zigzag' (each shard is two equal chunks, "
+            f"so the global length must be a multiple of 2 x the sequence-parallel size); "
+            f"pad the sequence or use layout='contiguous'"
+        )

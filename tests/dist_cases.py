@@ -1,0 +1,210 @@
+"""Case functions that run on every rank of a pool (see harness.py).
+
+Each rank generates the same global inputs from the case seed, computes the float64
+oracle on the full sequence, runs the distributed attention on its shard and checks its
+shard of out/lse/dq/dk/dv against the oracle's, raising AssertionError on any excess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+import ring_sp
+from oracle import (DTYPES, GRAD_TOL, LSE_ATOL, OUT_TOL, RATIO_FLOOR, assert_close, assert_lse_close,
+                    make_inputs, max_abs_error, oracle_results)
+from ring_sp.kernels import get_kernel
+
+_TOPOLOGIES: dict[tuple[int, int, str], ring_sp.SequenceParallelTopology] = {}
+
+
+def topology(ulysses: int, ring: int, placement: str = "ulysses_inner") -> ring_sp.SequenceParallelTopology:
+    """One topology per shape per pool (group creation is collective and not free)."""
+    key = (ulysses, ring, placement)
+    if key not in _TOPOLOGIES:
+        _TOPOLOGIES[key] = ring_sp.init_sequence_parallel(ulysses, ring, placement=placement)
+    return _TOPOLOGIES[key]
+
+
+@dataclass(frozen=True)
+class AttnCase:
+    """One equivalence case. mode: "ring" (world = R), "ulysses" (world = U) or "hybrid"."""
+
+    mode: str
+    layout: str = "zigzag"
+    causal: bool = True
+    b: int = 1
+    n_local: int = 4
+    h: int = 4
+    h_kv: int = 4
+    d: int = 8
+    dtype: str = "fp64"
+    seed: int = 0
+    ulysses: int = 1
+    ring: int = 1
+    placement: str = "ulysses_inner"
+    backend: str = "auto"
+
+    def label(self) -> str:
+        return (f"{self.mode} U{self.ulysses}xR{self.ring} {self.placement} {self.layout} causal={self.causal} "
+                f"b={self.b} n={self.n_local} h={self.h}/{self.h_kv} d={self.d} {self.dtype} seed={self.seed}")
+
+
+def _sp_coordinates(case: AttnCase) -> tuple[int, int, int]:
+    """(sp_rank, sp_size, dp_rank) of this process for the case's mode."""
+    if case.mode == "hybrid":
+        topo = topology(case.ulysses, case.ring, case.placement)
+        return topo.sp_rank, topo.sp_size, topo.dp_rank
+    return dist.get_rank(), dist.get_world_size(), 0
+
+
+def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    common = dict(causal=case.causal, layout=case.layout, backend=case.backend)
+    if case.mode == "ring":
+        return ring_sp.ring_attention(q, k, v, return_lse=True, **common)
+    if case.mode == "ulysses":
+        return ring_sp.ulysses_attention(q, k, v, **common), None
+    return ring_sp.hybrid_attention(q, k, v, topology=topology(case.ulysses, case.ring, case.placement), **common), None
+
+
+def _single_device(inputs: dict[str, torch.Tensor], case: AttnCase) -> dict[str, torch.Tensor]:
+    """The same kernel in the same dtype on the full sequence, results in that dtype (as a
+    single-device user gets them): the ratio rule's yardstick."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    kernel = get_kernel(case.backend, q.device, q.dtype, q.shape[3])
+    scale = q.shape[3] ** -0.5
+    out, lse = kernel.forward(q, k, v, causal=case.causal, scale=scale)
+    out = out.to(q.dtype)  # single-device training saves the output in the input dtype, as the ring does
+    dq, dk, dv = kernel.backward(inputs["dout"], q, k, v, out, lse, causal=case.causal, scale=scale)
+    return {name: t.to(q.dtype) for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv))}
+
+
+def check_attention_case(case: AttnCase) -> dict[str, float]:
+    """Run one case on this rank; returns max abs errors of its shard vs the oracle."""
+    sp_rank, sp_size, dp_rank = _sp_coordinates(case)
+    dtype = DTYPES[case.dtype]
+    inputs = make_inputs(case.seed * 1000 + dp_rank, case.b, case.n_local * sp_size, case.h, case.h_kv, case.d, dtype)
+    expected = oracle_results(inputs, causal=case.causal)
+
+    def shard(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return ring_sp.shard_sequence(x, rank=sp_rank, world_size=sp_size, layout=case.layout, dim=dim)
+
+    q, k, v = (shard(inputs[n]).requires_grad_() for n in ("q", "k", "v"))
+    out, lse = _run_distributed(case, q, k, v)
+    out.backward(shard(inputs["dout"]))
+    actual = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    for name, value in actual.items():
+        if value.dtype != dtype:
+            raise AssertionError(f"{case.label()}: {name}.dtype={value.dtype}, expected {dtype}")
+
+    errors: dict[str, float] = {}
+    for name, value in actual.items():
+        tol = OUT_TOL[dtype] if name == "out" else GRAD_TOL[dtype]
+        errors[name] = assert_close(f"{case.label()} rank {dist.get_rank()} {name}", value, shard(expected[name]), tol)
+    if lse is not None:
+        errors["lse"] = assert_lse_close(f"{case.label()} lse", lse, shard(expected["lse"], dim=2), LSE_ATOL[dtype])
+    if dtype in RATIO_FLOOR:  # no worse than 2x the same kernel's own error on one device
+        single = _single_device(inputs, case)
+        for name, value in actual.items():
+            own = max_abs_error(shard(single[name]), shard(expected[name]))
+            floor = RATIO_FLOOR[dtype] * max(1.0, expected[name].abs().max().item())
+            if errors[name] > 2 * own + floor:
+                raise AssertionError(
+                    f"{case.label()} {name}: error {errors[name]:.3e} > 2 x single-device {own:.3e} + floor {floor:.1e}"
+                )
+    return errors
+
+
+def check_attention_cases(cases: list[AttnCase]) -> list[dict[str, float]]:
+    """Many cases per pool round-trip (each is cheap; the round-trip is not)."""
+    return [check_attention_case(case) for case in cases]
+
+
+def global_outputs(case: AttnCase) -> dict[str, torch.Tensor]:
+    """The gathered global out and grads of one case (for factorisation invariance)."""
+    sp_rank, sp_size, _ = _sp_coordinates(case)
+    inputs = make_inputs(case.seed * 1000, case.b, case.n_local * sp_size, case.h, case.h_kv, case.d, DTYPES[case.dtype])
+    shard = lambda x: ring_sp.shard_sequence(x, rank=sp_rank, world_size=sp_size, layout=case.layout)  # noqa: E731
+    q, k, v = (shard(inputs[n]).requires_grad_() for n in ("q", "k", "v"))
+    out, _ = _run_distributed(case, q, k, v)
+    out.backward(shard(inputs["dout"]))
+    if case.mode == "hybrid":
+        topo = topology(case.ulysses, case.ring, case.placement)
+        gather = lambda x: topo.gather_sequence(x.detach(), layout=case.layout)  # noqa: E731
+    else:
+        gather = lambda x: ring_sp.gather_sequence(x.detach(), layout=case.layout)  # noqa: E731
+    return {"out": gather(out), "dq": gather(q.grad), "dk": gather(k.grad), "dv": gather(v.grad)}
+
+
+def variants(case: AttnCase, **axes: list) -> list[AttnCase]:
+    """The cartesian product of ``axes`` applied to ``case``."""
+    cases = [case]
+    for name, values in axes.items():
+        cases = [replace(c, **{name: value}) for c in cases for value in values]
+    return cases
+
+
+class _ShardSummingGrads(torch.autograd.Function):
+    """Global -> this rank's shard; backward scatters into the global shape and SUMS over
+    ranks (every rank holds the same global leaf, so its gradient is the sum of all
+    ranks' contributions). With gather_sequence's keep-own-slice backward this makes
+    gradcheck exact; the naive wrapper is off by the world size (DESIGN.md section 9)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rank: int, world_size: int, layout: str, group) -> torch.Tensor:
+        ctx.meta = (rank, world_size, layout, group, x.shape)
+        return ring_sp.shard_sequence(x, rank=rank, world_size=world_size, layout=layout)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rank, world_size, layout, group, shape = ctx.meta
+        parts = [torch.zeros_like(grad) for _ in range(world_size)]
+        parts[rank] = grad
+        full = ring_sp.unshard_sequence(torch.stack(parts), layout=layout)
+        dist.all_reduce(full, group=group)
+        return full, None, None, None, None
+
+
+def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring: int = 1) -> bool:
+    """Slow-mode float64 gradcheck of the whole distributed function on every rank."""
+    topo = topology(ulysses, ring) if mode == "hybrid" else None
+    sp_rank, sp_size = (topo.sp_rank, topo.sp_size) if topo else (dist.get_rank(), dist.get_world_size())
+    group = topo.sp_group if topo else None
+    n = 2 * sp_size  # slow-mode gradcheck costs ~2 forwards per input element
+    u = dist.get_world_size() if mode == "ulysses" else ulysses
+    heads, kv_heads = (2, 2) if u == 1 else (u, max(1, u // 2))  # Ulysses: the KV replication path
+    inputs = make_inputs(7, 1, n, heads, kv_heads, 4, torch.float64)
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        shard = lambda x: _ShardSummingGrads.apply(x, sp_rank, sp_size, layout, group)  # noqa: E731
+        q, k, v = shard(q), shard(k), shard(v)
+        if mode == "ring":
+            out = ring_sp.ring_attention(q, k, v, causal=causal, layout=layout)
+        elif mode == "ulysses":
+            out = ring_sp.ulysses_attention(q, k, v, causal=causal, layout=layout)
+        else:
+            out = ring_sp.hybrid_attention(q, k, v, topology=topo, causal=causal, layout=layout)
+        return topo.gather_sequence(out, layout=layout) if topo else ring_sp.gather_sequence(out, layout=layout)
+
+    leaves = tuple(inputs[name].clone().requires_grad_() for name in ("q", "k", "v"))
+    return torch.autograd.gradcheck(fn, leaves, fast_mode=False, atol=1e-8, rtol=1e-6)
+
+
+def bf16_norm_errors(world_size_of_ring: int, seed: int) -> dict[str, float]:
+    """Norm-relative bf16 dk/dv error of ring attention over ``world_size_of_ring`` ranks
+    (a topology with R = that size and DP = the rest), summed over the whole ring."""
+    topo = topology(1, world_size_of_ring)
+    inputs = make_inputs(seed, 1, 256, 8, 2, 64, torch.bfloat16)
+    expected = oracle_results(inputs, causal=True)
+    shard = lambda x: topo.shard_sequence(x, layout="zigzag")  # noqa: E731
+    q, k, v = (shard(inputs[n]).requires_grad_() for n in ("q", "k", "v"))
+    out = ring_sp.ring_attention(q, k, v, group=topo.ring_group, causal=True, layout="zigzag")
+    out.backward(shard(inputs["dout"]))
+    sums = torch.tensor([
+        (k.grad.double() - shard(expected["dk"])).pow(2).sum(), shard(expected["dk"]).pow(2).sum(),
+        (v.grad.double() - shard(expected["dv"])).pow(2).sum(), shard(expected["dv"]).pow(2).sum(),
+    ], dtype=torch.float64)
+    dist.all_reduce(sums, group=topo.ring_group)
+    return {"dk": (sums[0] / sums[1]).sqrt().item(), "dv": (sums[2] / sums[3]).sqrt().item()}

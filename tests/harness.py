@@ -1,0 +1,205 @@
+"""A persistent pool of gloo ranks that runs many test cases per launch.
+
+Spawning and initialising ranks costs seconds on this machine, so each world size keeps
+one pool of worker processes alive and sends it cases (a picklable module-level function
+plus arguments). Every case runs on every rank; the driver collects one result per rank
+within a timeout. After any failure or timeout the pool is killed (each rank leads its
+own process group, so children die too) and the next case gets a fresh one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+_STARTUP_TIMEOUT_S = 120.0
+_GRACE_AFTER_FAILURE_S = 5.0  # peers of a failed rank may be blocked in a collective
+
+
+@dataclass
+class RankError:
+    rank: int
+    kind: str
+    message: str
+    traceback: str
+
+
+class DistributedCaseError(AssertionError):
+    """A case failed or timed out on at least one rank; carries each rank's report."""
+
+    def __init__(self, summary: str, errors: list[RankError]) -> None:
+        details = "\n".join(f"--- rank {e.rank}: {e.kind}: {e.message}\n{e.traceback}" for e in errors)
+        super().__init__(f"{summary}\n{details}")
+        self.errors = errors
+
+
+def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, sys_path: list[str], pg_timeout_s: float, env: dict[str, str]) -> None:
+    os.setsid()  # own process group: the driver kills the whole tree with killpg
+    sys.path[:] = sys_path
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # many ranks share 2 cores; oversubscription only slows
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
+    conn.send("ready")
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message is None:
+            break
+        try:
+            fn, args, kwargs = message
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException as exc:  # report everything, including assertion failures
+            conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo ranks kept alive between cases."""
+
+    def __init__(self, world_size: int, pg_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
+        self.world_size = world_size
+        self.pg_timeout_s = pg_timeout_s
+        self.env = dict(env or {})
+        self._procs: list[mp.Process] = []
+        self._conns: list[Connection] = []
+        self._init_file = ""
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def _start(self) -> None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch"])  # ranks fork from a server that imported torch once
+        fd, self._init_file = tempfile.mkstemp(prefix="ring_sp_pg_")
+        os.close(fd)
+        os.unlink(self._init_file)  # the FileStore creates it; a stale file would confuse it
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, self._init_file, child, list(sys.path), self.pg_timeout_s, self.env),
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(max(0.0, deadline - time.monotonic())) or conn.recv() != "ready":
+                self.kill()
+                raise RuntimeError(f"rank {rank} of a {self.world_size}-rank pool did not start")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results.
+
+        Raises :class:`DistributedCaseError` if any rank raises or the case outlives
+        ``timeout`` seconds; the pool is then killed and restarted on the next call.
+        """
+        if not self.alive:
+            self.kill()
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        results: list[Any] = [None] * self.world_size
+        errors: list[RankError] = []
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            for rank in sorted(pending):
+                conn = self._conns[rank]
+                if conn.poll(0.01):
+                    try:
+                        reply = conn.recv()
+                    except EOFError:
+                        reply = ("error", "ProcessExited", f"exit code {self._procs[rank].exitcode}", "")
+                    pending.discard(rank)
+                    if reply[0] == "ok":
+                        results[rank] = reply[1]
+                    else:
+                        errors.append(RankError(rank, *reply[1:]))
+                        deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+                elif not self._procs[rank].is_alive() and not conn.poll(0):
+                    pending.discard(rank)
+                    errors.append(RankError(rank, "ProcessExited", f"exit code {self._procs[rank].exitcode}", ""))
+                    deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+        if pending or errors:
+            why = "no reply within 5 s after another rank failed" if errors else f"no reply within the case timeout ({timeout:.0f} s)"
+            for rank in sorted(pending):
+                errors.append(RankError(rank, "Timeout", why, ""))
+            self.kill()
+            errors.sort(key=lambda e: e.rank)
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise DistributedCaseError(f"{name} failed on ranks {[e.rank for e in errors]} of {self.world_size}", errors)
+        return results
+
+    def kill(self) -> None:
+        for proc in self._procs:
+            if proc.pid is not None and proc.is_alive():
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+        self.kill()
+
+
+class PoolManager:
+    """At most ``max_alive`` pools at once (each rank holds torch: ~0.3 GB)."""
+
+    def __init__(self, max_alive: int = 2) -> None:
+        self.max_alive = max_alive
+        self._pools: OrderedDict[tuple, RankPool] = OrderedDict()
+
+    def get(self, world_size: int, pg_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> RankPool:
+        key = (world_size, pg_timeout_s, tuple(sorted((env or {}).items())))
+        if key in self._pools:
+            self._pools.move_to_end(key)
+            return self._pools[key]
+        while len(self._pools) >= self.max_alive:
+            _, oldest = self._pools.popitem(last=False)
+            oldest.close()
+        pool = RankPool(world_size, pg_timeout_s, env)
+        self._pools[key] = pool
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

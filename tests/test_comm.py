@@ -1,0 +1,87 @@
+"""C14: exactly the designed collectives, and the bytes of DESIGN.md section 5."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ring_sp
+
+# isend/irecv are not wrapped: P2POp checks them by identity (batch_isend_irecv counts them)
+_COLLECTIVES = ("batch_isend_irecv", "send", "recv", "all_to_all_single", "all_to_all",
+                "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+
+
+@contextlib.contextmanager
+def _count_torch_collectives():
+    """Count every torch.distributed collective called, whoever calls it."""
+    counts: Counter[str] = Counter()
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def measure(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, dtype: str) -> dict:
+    topo = ring_sp.init_sequence_parallel(u, r)
+    dt = getattr(torch, dtype)
+    q = torch.randn(b, n, h, d, dtype=dt, requires_grad=True)
+    k = torch.randn(b, n, h_kv, d, dtype=dt, requires_grad=True)
+    v = torch.randn(b, n, h_kv, d, dtype=dt, requires_grad=True)
+    with _count_torch_collectives() as fwd_calls, ring_sp.count_communication() as fwd:
+        out = ring_sp.hybrid_attention(q, k, v, topology=topo, causal=True)
+    with _count_torch_collectives() as bwd_calls, ring_sp.count_communication() as bwd:
+        out.backward(torch.randn_like(out))
+    return {"fwd": fwd.bytes_sent, "bwd": bwd.bytes_sent, "fwd_calls": dict(fwd_calls), "bwd_calls": dict(bwd_calls)}
+
+
+def expected_bytes(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, elem: int) -> tuple[dict, dict]:
+    """DESIGN.md section 5, per rank per layer, n = local tokens (N / P)."""
+    m = h_kv // u if h_kv % u == 0 else 1  # KV heads per Ulysses rank (replicated when U > h_kv)
+    a2a = (u - 1) / u  # the share of an all-to-all that leaves the rank
+    ring_tokens = n * u  # after the all-to-all a ring rank holds U shards
+    kv_block = 2 * b * ring_tokens * m * d  # k and v elements of one ring shard
+    replicated = h_kv % u != 0
+    fwd, bwd = {}, {}
+    if u > 1:
+        fwd["ulysses_a2a_q"] = fwd["ulysses_a2a_out"] = int(b * n * h * d * a2a) * elem
+        fwd["ulysses_a2a_kv"] = int(b * n * u * 2 * m * d * a2a) * elem
+        bwd["ulysses_a2a_dout"] = bwd["ulysses_a2a_dq"] = fwd["ulysses_a2a_q"]
+        bwd["ulysses_a2a_dkv"] = int(b * n * u * 2 * m * d * a2a) * (4 if replicated else elem)  # fp32 replica sums
+    if r > 1:
+        fwd["ring_kv"] = (r - 1) * kv_block * elem
+        bwd["ring_kv"] = (r - 1) * kv_block * elem
+        bwd["ring_dkv"] = r * kv_block * 4  # fp32 accumulators travel with their KV
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("u,r,h,h_kv,dtype", [
+    (1, 4, 8, 2, "bfloat16"), (4, 1, 8, 2, "bfloat16"), (2, 2, 8, 2, "bfloat16"),
+    (2, 2, 8, 1, "float32"), (4, 1, 4, 4, "float32"),
+])
+def test_bytes_and_calls_match_the_design(pools, u: int, r: int, h: int, h_kv: int, dtype: str) -> None:
+    b, n, d = 2, 8, 16
+    results = pools.get(4).run(measure, u, r, b, n, h, h_kv, d, dtype)
+    fwd, bwd = expected_bytes(u, r, b, n, h, h_kv, d, 2 if dtype == "bfloat16" else 4)
+    for res in results:
+        assert res["fwd"] == fwd and res["bwd"] == bwd
+        # nothing but the designed collectives: R-1 (fwd) / 2R-1 (bwd) exchanges, 3 all-to-alls each way
+        ring_fwd, ring_bwd = (r - 1, 2 * r - 1) if r > 1 else (0, 0)
+        a2a = 3 if u > 1 else 0
+        assert res["fwd_calls"] == {k: v for k, v in {"batch_isend_irecv": ring_fwd, "all_to_all_single": a2a}.items() if v}
+        assert res["bwd_calls"] == {k: v for k, v in {"batch_isend_irecv": ring_bwd, "all_to_all_single": a2a}.items() if v}

@@ -1,0 +1,394 @@
+"""C3/C4 for the CUDA backends: PyTorch's fused ops ("torch" on CUDA) and flash-attn.
+
+On a CUDA machine each backend's forward (out, lse) and backward (dq, dk, dv) is compared with
+the float64 autograd oracle of oracle.py, both for one block fed its own out/lse and for two key
+blocks fed the merged GLOBAL out/lse. Without CUDA those cases skip; what runs everywhere:
+the unavailability reasons, the lazy import of flash-attn, the aten-op plumbing on the meta
+device, and the flash-attn signature shim against fakes of every release's signature.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from oracle import GRAD_TOL, LSE_ATOL, OUT_TOL, Tolerance, assert_close, assert_lse_close, oracle_results
+from ring_sp.kernels import flash_attn as fa_backend
+from ring_sp.kernels import torch_cuda
+from ring_sp.kernels.flash_attn import FlashAttnKernel
+from ring_sp.kernels.torch_cuda import TorchCUDAKernel
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+# TESTING.md: fp16 (CUDA only) atol = rtol = 5e-3; oracle.py has no fp16 entry.
+_FP16 = Tolerance(5e-3, 5e-3)
+
+
+def _out_tol(dtype: torch.dtype) -> Tolerance:
+    return _FP16 if dtype == torch.float16 else OUT_TOL[dtype]
+
+
+def _grad_tol(dtype: torch.dtype) -> Tolerance:
+    return _FP16 if dtype == torch.float16 else GRAD_TOL[dtype]
+
+
+def _lse_atol(dtype: torch.dtype) -> float:
+    return LSE_ATOL[torch.bfloat16 if dtype == torch.float16 else dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: every backend against the float64 oracle
+# ---------------------------------------------------------------------------------------------
+
+VARIANTS = [
+    ("torch-flash", torch.float16), ("torch-flash", torch.bfloat16),
+    ("torch-efficient", torch.float16), ("torch-efficient", torch.bfloat16), ("torch-efficient", torch.float32),
+    ("flash_attn", torch.float16), ("flash_attn", torch.bfloat16),
+]
+CASES = pytest.mark.parametrize("variant,dtype", VARIANTS, ids=[f"{v}-{str(d)[6:]}" for v, d in VARIANTS])
+
+
+def _kernel(variant: str, dtype: torch.dtype, head_dim: int, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The backend under test; torch-flash / torch-efficient pin the op TorchCUDAKernel picks."""
+    if variant == "flash_attn":
+        reason = fa_backend.unavailable_reason(dtype, head_dim)
+        if reason is not None:
+            pytest.skip(reason)
+        return FlashAttnKernel()
+    capability = torch.cuda.get_device_capability()
+    if variant == "torch-flash":
+        reason = torch_cuda._flash_reason(dtype, head_dim, capability)
+    else:
+        reason = torch_cuda._efficient_reason(dtype, head_dim, capability)
+        monkeypatch.setattr(torch_cuda, "_use_flash", lambda q: False)
+    if reason is not None:
+        pytest.skip(reason)
+    return TorchCUDAKernel()
+
+
+def _inputs(seq_q: int, seq_k: int, h: int, h_kv: int, d: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """q, k, v, dout on the GPU, rounded to ``dtype`` (the oracle starts from the same values)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = dict(q=(2, seq_q, h, d), k=(2, seq_k, h_kv, d), v=(2, seq_k, h_kv, d), dout=(2, seq_q, h, d))
+    return {n: torch.randn(s, generator=gen, dtype=torch.float64).to("cuda", dtype) for n, s in shapes.items()}
+
+
+def _check_grads(grads: tuple[torch.Tensor, ...], want: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    for got, name in zip(grads, ("dq", "dk", "dv")):
+        assert got.shape == want[name].shape, name
+        assert_close(name, got, want[name], _grad_tol(dtype))
+
+
+@needs_cuda
+@CASES
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,h_kv", [(8, 8), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("seq", [1, 17, 128])
+def test_block_matches_oracle(
+    variant: str, dtype: torch.dtype, causal: bool, h: int, h_kv: int, head_dim: int, seq: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One block, backward fed the block's own out/lse."""
+    kernel = _kernel(variant, dtype, head_dim, monkeypatch)
+    inputs = _inputs(seq, seq, h, h_kv, head_dim, dtype, seed=seq * 1000 + head_dim)
+    q, k, v, dout = inputs.values()
+    mask = torch.ones(seq, seq, dtype=torch.bool, device="cuda")
+    scale = head_dim**-0.5
+    want = oracle_results(inputs, causal=False, scale=scale, mask=mask.tril() if causal else mask)
+
+    out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32 and lse.shape == (2, h, seq)
+    assert_close("out", out, want["out"], _out_tol(dtype))
+    assert_lse_close("lse", lse, want["lse"], _lse_atol(dtype))
+
+    grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    assert all(g.dtype == dtype for g in grads)
+    _check_grads(grads, want, dtype)
+
+
+@needs_cuda
+@CASES
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,h_kv", [(8, 8), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("seq", [1, 17, 128])
+def test_two_key_blocks_with_global_statistics(
+    variant: str, dtype: torch.dtype, causal: bool, h: int, h_kv: int, head_dim: int, seq: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Queries at positions seq..2seq-1 see a past key block (full) and their own (causal or
+    full), as on a ring. Merge the two forwards; each block's backward, fed the merged GLOBAL
+    out/lse, gives that block's share of the exact gradient."""
+    kernel = _kernel(variant, dtype, head_dim, monkeypatch)
+    inputs = _inputs(seq, 2 * seq, h, h_kv, head_dim, dtype, seed=seq * 1000 + head_dim + 1)
+    q, k, v, dout = inputs.values()
+    own = torch.ones(seq, seq, dtype=torch.bool, device="cuda")
+    mask = torch.cat([torch.ones_like(own), own.tril() if causal else own], dim=1)
+    scale = head_dim**-0.5
+    want = oracle_results(inputs, causal=False, scale=scale, mask=mask)
+    blocks = [(slice(0, seq), False), (slice(seq, 2 * seq), causal)]
+
+    parts = [kernel.forward(q, k[:, s], v[:, s], causal=c, scale=scale) for s, c in blocks]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])  # the ring's merge (DESIGN section 4), in fp32
+    out = sum(o.float() * torch.exp(l - lse).transpose(1, 2).unsqueeze(-1) for o, l in parts).to(dtype)
+    assert_close("merged out", out, want["out"], _out_tol(dtype))
+    assert_lse_close("merged lse", lse, want["lse"], _lse_atol(dtype))
+
+    lse = lse.transpose(1, 2).contiguous().transpose(1, 2)  # a non-contiguous global lse, as a ring may hold
+    grads = [kernel.backward(dout, q, k[:, s], v[:, s], out, lse, causal=c, scale=scale) for s, c in blocks]
+    dq = grads[0][0].double() + grads[1][0].double()
+    dk, dv = (torch.cat([grads[0][i], grads[1][i]], dim=1) for i in (1, 2))
+    _check_grads((dq, dk, dv), want, dtype)
+
+
+@needs_cuda
+def test_torch_cuda_reasons_on_a_gpu() -> None:
+    assert torch_cuda.unavailable_reason(torch.float64, 64).startswith("float64 has no fused CUDA attention op")
+    assert torch_cuda.unavailable_reason(torch.float32, 64) is None
+    assert "head_dim" in torch_cuda.unavailable_reason(torch.float32, 6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Everywhere: reasons, lazy import, empty blocks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(CUDA, reason="checks the message given when CUDA is missing")
+def test_torch_cuda_says_cuda_is_missing() -> None:
+    reason = torch_cuda.unavailable_reason(torch.bfloat16, 64)
+    assert reason is not None and "CUDA is not available" in reason
+
+
+@pytest.mark.skipif(CUDA, reason="checks the message given when flash-attn cannot be installed")
+def test_flash_attn_says_it_is_not_installed() -> None:
+    assert fa_backend.unavailable_reason(torch.bfloat16, 64) == (
+        "flash-attn is not installed: pip install 'ring-sp[flash]' on a CUDA machine"
+    )
+
+
+def test_importing_the_backend_does_not_import_flash_attn() -> None:
+    code = (
+        "import sys, ring_sp.kernels.flash_attn, ring_sp.kernels.torch_cuda\n"
+        "loaded = {'flash_attn', 'flash_attn_interface', 'flash_attn_2_cuda'} & set(sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("kernel", [TorchCUDAKernel(), FlashAttnKernel()], ids=["torch", "flash_attn"])
+@pytest.mark.parametrize("seq_q,seq_k", [(0, 5), (5, 0)])
+def test_empty_blocks_give_zero_out_and_minus_inf_lse(kernel: Any, seq_q: int, seq_k: int) -> None:
+    q, dout = torch.randn(2, seq_q, 4, 16, dtype=torch.bfloat16), torch.randn(2, seq_q, 4, 16, dtype=torch.bfloat16)
+    k = v = torch.randn(2, seq_k, 2, 16, dtype=torch.bfloat16)
+    out, lse = kernel.forward(q, k, v, causal=False, scale=0.25)
+    assert out.shape == q.shape and not out.any()
+    assert lse.shape == (2, 4, seq_q) and lse.dtype == torch.float32 and torch.isneginf(lse).all()
+    grads = kernel.backward(dout, q, k, v, out, lse, causal=False, scale=0.25)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and not any(g.any() for g in grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Everywhere: the aten plumbing of TorchCUDAKernel, on the meta device
+# ---------------------------------------------------------------------------------------------
+
+
+class _SpyAten:
+    """Stands in for torch.ops.aten and records the arguments of each op call."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, tuple[Any, ...]] = {}
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls[name] = args
+            return getattr(torch.ops.aten, name)(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize("flash,dtype", [(True, torch.bfloat16), (False, torch.bfloat16), (False, torch.float32)])
+def test_aten_plumbing_on_meta(flash: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shapes, the GQA expansion of the efficient op and its lse padding, against this torch's op schemas."""
+    spy = _SpyAten()
+    monkeypatch.setattr(torch_cuda, "_aten", spy)
+    monkeypatch.setattr(torch_cuda, "_use_flash", lambda q: flash)
+    q = torch.empty(2, 17, 8, 64, device="meta", dtype=dtype)
+    k = v = torch.empty(2, 17, 2, 64, device="meta", dtype=dtype)
+    out, lse = TorchCUDAKernel().forward(q, k, v, causal=True, scale=0.125)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 8, 17) and lse.dtype == torch.float32
+    dq, dk, dv = TorchCUDAKernel().backward(out, q, k, v, out, lse, causal=True, scale=0.125)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dk.dtype == dtype
+    if flash:
+        assert spy.calls["_scaled_dot_product_flash_attention"][1].shape[1] == 2  # KV heads stay h_kv
+        assert spy.calls["_scaled_dot_product_flash_attention_backward"][5].shape == (2, 8, 17)
+    else:
+        assert spy.calls["_scaled_dot_product_efficient_attention"][1].shape[1] == 8  # expanded to h
+        assert spy.calls["_scaled_dot_product_efficient_attention_backward"][6].shape == (2, 8, 32)  # kAlignLSE
+
+
+# ---------------------------------------------------------------------------------------------
+# Everywhere: the flash-attn signature shim against fakes of each release's entry points
+# ---------------------------------------------------------------------------------------------
+
+_FA2_BWD_HEAD = "dout q k v out softmax_lse dq dk dv dropout_p softmax_scale causal"
+_FA3_FWD_OPTIONAL = (
+    "k_new v_new qv out cu_seqlens_q cu_seqlens_k cu_seqlens_k_new seqused_q seqused_k max_seqlen_q max_seqlen_k "
+    "page_table kv_batch_idx leftpad_k rotary_cos rotary_sin seqlens_rotary q_descale k_descale v_descale"
+)
+_FA3_BWD_OPTIONAL = "cu_seqlens_q cu_seqlens_k sequed_q sequed_k max_seqlen_q max_seqlen_k dq dk dv"
+
+
+def _with_defaults(names: str) -> str:
+    return " ".join(f"{name}=" for name in names.split())
+
+
+# release: (forward parameters, backward parameters, length of the forward's result); "name=" has a default.
+RELEASES = {
+    "fa2.1": ("q k v dropout_p softmax_scale causal return_softmax", f"{_FA2_BWD_HEAD} rng_state=", 8),
+    "fa2.3": (
+        "q k v dropout_p softmax_scale causal window_size return_softmax",
+        f"{_FA2_BWD_HEAD} window_size rng_state=", 8,
+    ),
+    "fa2.4": (
+        "q k v dropout_p softmax_scale causal window_size alibi_slopes return_softmax",
+        f"{_FA2_BWD_HEAD} window_size alibi_slopes deterministic rng_state=", 8,
+    ),
+    "fa2.6": (
+        "q k v dropout_p softmax_scale causal window_size softcap alibi_slopes return_softmax",
+        f"{_FA2_BWD_HEAD} window_size softcap alibi_slopes deterministic rng_state=", 8,
+    ),
+    "fa3-2025": (  # optional inputs without defaults, window_size pair
+        f"q k v {_FA3_FWD_OPTIONAL} softmax_scale causal window_size= attention_chunk= softcap= sm_margin=",
+        f"dout q k v out softmax_lse {_FA3_BWD_OPTIONAL} softmax_scale causal window_size= softcap= deterministic=", 4,
+    ),
+    "fa3-newest": (  # everything optional has a default; the backward flag is is_causal
+        f"q k v {_with_defaults(_FA3_FWD_OPTIONAL)} softmax_scale= causal= window_size_left= window_size_right= softcap=",
+        f"dout q k v out softmax_lse {_with_defaults(_FA3_BWD_OPTIONAL)} softmax_scale= is_causal= window_size_left= "
+        "window_size_right= softcap= deterministic=", 4,
+    ),
+}
+# What the ring passes for each name some release uses; every other parameter must get None.
+_EXPECTED = dict(
+    dropout_p=0.0, window_size=(-1, -1), window_size_left=-1, window_size_right=-1, softcap=0.0,
+    return_softmax=False, softmax_scale=0.125, causal=True, is_causal=True, deterministic=False,
+)
+_DEFAULT = object()
+
+
+def _fake(params: str, calls: list[dict[str, Any]], result: Callable[[dict[str, Any]], Any]) -> Callable[..., Any]:
+    """A function with exactly these parameters that records its arguments and returns result(args)."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    signature = inspect.Signature(
+        [inspect.Parameter(p.rstrip("="), kind, default=_DEFAULT if p.endswith("=") else inspect.Parameter.empty)
+         for p in params.split()]
+    )
+
+    def fn(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        calls.append(dict(bound.arguments))
+        return result(bound.arguments)
+
+    fn.__signature__ = signature  # type: ignore[attr-defined]
+    return fn
+
+
+def _fill_grads(args: dict[str, Any]) -> None:
+    for i, name in enumerate(("dq", "dk", "dv")):
+        args[name].fill_(i + 1)
+
+
+def _check_call(args: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    for name, value in args.items():
+        if name in tensors:
+            assert value is tensors[name], name
+        elif name in ("dq", "dk", "dv"):
+            assert value.is_contiguous() and value.shape == tensors[{"dq": "q", "dk": "k", "dv": "v"}[name]].shape
+        elif name in _EXPECTED:
+            assert value == _EXPECTED[name], (name, value)
+        else:
+            assert value is None, (name, value)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_flash_attn_shim_calls_each_release_correctly(release: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    fwd_params, bwd_params, layout = RELEASES[release]
+    q, k = torch.randn(2, 5, 4, 16, dtype=torch.bfloat16), torch.randn(2, 5, 2, 16, dtype=torch.bfloat16)
+    v, out_, lse_ = torch.randn_like(k), torch.randn_like(q), torch.randn(2, 4, 5)
+    calls: list[dict[str, Any]] = []
+
+    def forward_result(args: dict[str, Any]) -> tuple[Any, ...]:
+        return (out_, q, k, v, out_, lse_, None, None) if layout == 8 else (out_, lse_, None, None)
+
+    fake = SimpleNamespace(
+        _flash_attn_forward=_fake(fwd_params, calls, forward_result),
+        _flash_attn_backward=_fake(bwd_params, calls, _fill_grads),
+    )
+    monkeypatch.setattr(fa_backend, "_interface", lambda: fake)
+    kernel = FlashAttnKernel()
+    out, lse = kernel.forward(q, k, v, causal=True, scale=0.125)
+    assert out is out_ and lse is lse_
+    _check_call(calls[0], {"q": q, "k": k, "v": v})
+
+    global_lse = lse_.transpose(1, 2).contiguous().transpose(1, 2)
+    dq, dk, dv = kernel.backward(out_, q, k, v, out_, global_lse, causal=True, scale=0.125)
+    args = calls[1]
+    assert args["softmax_lse"].is_contiguous() and torch.equal(args["softmax_lse"], lse_)
+    _check_call(args, {"dout": out_, "q": q, "k": k, "v": v, "out": out_, "softmax_lse": args["softmax_lse"]})
+    assert dk.shape == k.shape and dk.dtype == k.dtype  # h_kv heads, input dtype
+    assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()  # the buffers the fake wrote
+
+
+# flash-attn >= 2.7 wraps its entry points in torch.library.custom_op (on torch >= 2.4), which hides
+# the Python signature; the shim must still find it. Same parameters as 2.7's, on CPU.
+_CUSTOM_CALLS: list[dict[str, Any]] = []
+
+
+@torch.library.custom_op("ring_sp_test::fa27_forward", mutates_args=(), device_types="cpu")
+def _fa27_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float, causal: bool,
+    window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
+    return_softmax: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _CUSTOM_CALLS.append(dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                              window_size_left=window_size_left, window_size_right=window_size_right,
+                              softcap=softcap, alibi_slopes=alibi_slopes, return_softmax=return_softmax))
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    return q.clone(), lse, torch.empty(0), torch.empty(2, dtype=torch.long)
+
+
+@torch.library.custom_op("ring_sp_test::fa27_backward", mutates_args=("dq", "dk", "dv"), device_types="cpu")
+def _fa27_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
+    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+    softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool, rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    _CUSTOM_CALLS.append(dict(causal=causal, deterministic=deterministic, rng_state=rng_state))
+    _fill_grads({"dq": dq, "dk": dk, "dv": dv})
+    return torch.empty(0)
+
+
+def test_flash_attn_shim_finds_the_signature_of_custom_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = SimpleNamespace(_flash_attn_forward=_fa27_forward, _flash_attn_backward=_fa27_backward)
+    monkeypatch.setattr(fa_backend, "_interface", lambda: fake)
+    _CUSTOM_CALLS.clear()
+    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
+    out, lse = FlashAttnKernel().forward(q, k, k, causal=True, scale=0.125)
+    assert torch.equal(out, q) and lse.shape == (2, 4, 5)
+    assert _CUSTOM_CALLS[0] == {name: _EXPECTED.get(name) for name in _CUSTOM_CALLS[0]}
+    dq, dk, dv = FlashAttnKernel().backward(q, q, k, k, out, lse, causal=True, scale=0.125)
+    assert _CUSTOM_CALLS[1] == {"causal": True, "deterministic": False, "rng_state": None}
+    assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()

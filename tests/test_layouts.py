@@ -1,0 +1,103 @@
+"""C2: layout algebra, single process (hypothesis over N, P, U x R, layouts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ring_sp.layouts import (LAYOUTS, layout_positions, shard_sequence, ulysses_to_ring_order, unshard_sequence)
+
+
+def _expected_positions(layout: str, p: int, n: int, rank: int) -> list[int]:
+    """DESIGN.md section 3, written out token by token (independent of layouts.py)."""
+    local = n // p
+    if layout == "contiguous":
+        return list(range(rank * local, (rank + 1) * local))
+    if layout == "zigzag":
+        c = n // (2 * p)
+        return list(range(rank * c, (rank + 1) * c)) + list(range((2 * p - 1 - rank) * c, (2 * p - rank) * c))
+    return [t for t in range(n) if t % p == rank]
+
+
+world_and_length = st.integers(1, 8).flatmap(lambda p: st.tuples(st.just(p), st.integers(1, 512 // (2 * p)).map(lambda m: 2 * p * m)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(world_and_length, st.sampled_from(LAYOUTS))
+def test_positions_match_the_definition_and_form_a_permutation(pn: tuple[int, int], layout: str) -> None:
+    p, n = pn
+    positions = layout_positions(layout, p, n)
+    assert positions.shape == (p, n // p)
+    for rank in range(p):
+        assert positions[rank].tolist() == _expected_positions(layout, p, n, rank)
+    assert sorted(positions.flatten().tolist()) == list(range(n))
+
+
+@settings(max_examples=100, deadline=None)
+@given(world_and_length, st.sampled_from(LAYOUTS), st.integers(0, 3))
+def test_shard_then_unshard_is_the_identity(pn: tuple[int, int], layout: str, dim_choice: int) -> None:
+    p, n = pn
+    shape = [2, 3, 2]
+    dim = dim_choice % 3
+    shape.insert(dim, n)
+    x = torch.arange(torch.Size(shape).numel()).view(shape)
+    shards = torch.stack([shard_sequence(x, rank=r, world_size=p, layout=layout, dim=dim) for r in range(p)])
+    for r in range(p):
+        assert torch.equal(shards[r].select(dim, 0), x.select(dim, _expected_positions(layout, p, n, r)[0]))
+    assert torch.equal(unshard_sequence(shards, layout=layout, dim=dim), x)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 8), st.sampled_from(["zigzag", "contiguous"]))
+def test_post_ulysses_reorder_is_exactly_the_ring_layout(u: int, r: int, m: int, layout: str) -> None:
+    """After the all-to-all a ring rank holds its U members' shards; reordered, that is
+    exactly its shard of the same layout over R ranks."""
+    n = 2 * u * r * m
+    sp_positions = layout_positions(layout, u * r, n)
+    for ring_rank in range(r):
+        gathered = torch.cat([sp_positions[ring_rank * u + ur] for ur in range(u)])
+        order = ulysses_to_ring_order(layout, u, r, n, ring_rank)
+        reordered = gathered if order is None else gathered[order]
+        assert reordered.tolist() == _expected_positions(layout, r, n, ring_rank)
+    if layout == "contiguous":
+        assert all(ulysses_to_ring_order(layout, u, r, n, rr) is None for rr in range(r))
+
+
+@pytest.mark.parametrize("u,r", [(2, 1), (4, 1), (1, 3)])
+def test_striped_reorders_when_one_dimension_is_trivial(u: int, r: int) -> None:
+    n = 8 * u * r
+    sp_positions = layout_positions("striped", u * r, n)
+    for ring_rank in range(r):
+        gathered = torch.cat([sp_positions[ring_rank * u + ur] for ur in range(u)])
+        order = ulysses_to_ring_order("striped", u, r, n, ring_rank)
+        assert (gathered if order is None else gathered[order]).tolist() == _expected_positions("striped", r, n, ring_rank)
+
+
+def test_striped_on_a_true_grid_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"layout='striped'.*ulysses_size=2.*ring_size=2.*Use layout='zigzag'"):
+        ulysses_to_ring_order("striped", 2, 2, 16, 0)
+
+
+@pytest.mark.parametrize("layout,p,n,multiple", [("zigzag", 4, 12, 8), ("contiguous", 3, 10, 3), ("striped", 4, 6, 4), ("zigzag", 2, 0, 4)])
+def test_indivisible_lengths_are_refused_with_the_fix(layout: str, p: int, n: int, multiple: int) -> None:
+    with pytest.raises(ValueError, match=rf"x.shape\[1\]={n} must be a positive multiple of {multiple} for layout='{layout}'.*pad"):
+        shard_sequence(torch.zeros(1, n), rank=0, world_size=p, layout=layout)
+
+
+def test_unknown_layout_and_bad_rank_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"layout='ring' is not one of"):
+        shard_sequence(torch.zeros(1, 8), rank=0, world_size=2, layout="ring")
+    with pytest.raises(ValueError, match=r"rank=2 must be in \[0, world_size=2\)"):
+        shard_sequence(torch.zeros(1, 8), rank=2, world_size=2, layout="zigzag")
+
+
+def test_zigzag_matches_megatron_get_batch_on_this_cp_rank() -> None:
+    """Megatron: view the seq dim as [2*cp, c], take chunks (r, 2cp-1-r), flatten."""
+    cp, n = 4, 32
+    x = torch.arange(n).view(1, n)
+    for r in range(cp):
+        chunks = x.view(1, 2 * cp, n // (2 * cp))
+        megatron = chunks.index_select(1, torch.tensor([r, 2 * cp - r - 1])).view(1, -1)
+        assert torch.equal(shard_sequence(x, rank=r, world_size=cp, layout="zigzag"), megatron)

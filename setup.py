@@ -25,6 +25,7 @@ setup(
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
     python_requires=">=3.10",
     packages=_library + _integrations,
     package_dir={"ring_sp.integrations": "integrations"},
@@ -39,7 +40,6 @@ setup(
     },
     classifiers=[
         "Programming Language :: Python :: 3",
-        "License :: OSI Approved :: Apache Software License",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],
 )

@@ -1,0 +1,1 @@
+"""Pieces shared by the DeepSpeed and Megatron pretraining examples: data and progress."""

@@ -3,7 +3,7 @@
 Importing this package has no side effects: no process groups, no CUDA, no flash-attn.
 """
 
-from .attention import hybrid_attention, ring_attention, sequence_parallel_attention, ulysses_attention
+from .attention import hybrid_attention, ring_attention, ulysses_attention
 from .comm import count_communication
 from .data import shard_batch, shift_labels
 from .layouts import LAYOUTS, gather_sequence, layout_positions, shard_sequence, unshard_sequence
@@ -25,7 +25,6 @@ __all__ = [
     "layout_positions",
     "rank_grid",
     "ring_attention",
-    "sequence_parallel_attention",
     "sequence_parallel_cross_entropy",
     "sequence_parallel_loss",
     "shard_batch",

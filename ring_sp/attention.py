@@ -1,12 +1,16 @@
 """Public attention entry points: ring, Ulysses and the 2D ring x Ulysses grid.
 
-All three are one function, :func:`sequence_parallel_attention`, over a Ulysses group of
-``U`` ranks and a ring group of ``R`` ranks (either may be absent = size 1):
+All three run one function over a Ulysses group of ``U`` ranks and a ring group of ``R``
+ranks (either may be absent = size 1):
 
 1. Ulysses all-to-all (U > 1): sequence shard -> head shard, reordered into the ring's
    layout; KV heads are sent un-replicated when ``U`` divides ``h_kv``.
 2. Ring attention over ``R`` ranks on ``H/U`` heads (R = 1 is plain local attention).
 3. The inverse all-to-all.
+
+Before step 1, every rank checks its own arguments and then (once per new signature, or
+always with ``validate=True``) the ranks agree on them, so mistakes surface as the same
+clear error on every rank instead of a hang or an abort (:mod:`ring_sp.agreement`).
 
 The input layout is defined over the whole SP group with
 ``sp_rank = ring_rank * U + ulysses_rank`` (DESIGN.md section 3), so
@@ -18,9 +22,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .agreement import CallSignature, agree, validation_requested
+from .function import SequenceParallelFunction, UlyssesSpec
 from .kernels import get_kernel
 from .layouts import ulysses_to_ring_reorder
-from .function import SequenceParallelFunction, UlyssesSpec
 from .ring import RingSpec, ring_comm_for
 from .topology import SequenceParallelTopology
 from .validation import check_group, check_local_length, check_options, check_qkv, resolve_scale
@@ -45,29 +50,22 @@ def _size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def sequence_parallel_attention(
+def _prepare(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
     ulysses_group: dist.ProcessGroup | None,
     ring_group: dist.ProcessGroup | None,
-    causal: bool = False,
-    layout: str = "zigzag",
-    softmax_scale: float | None = None,
-    backend: str = "auto",
-    return_lse: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention over a ``U x R`` grid (see the module docstring).
-
-    q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]``: this SP rank's shard of ``n`` tokens.
-    Returns out ``[b, n, h, d]`` in q's dtype, plus (``return_lse``, only when U == 1)
-    lse ``[b, h, n]`` float32. A group of None means a size-1 dimension.
-    """
+    causal: bool,
+    layout: str,
+    softmax_scale: float | None,
+    backend: str,
+    return_lse: bool,
+) -> tuple[RingSpec, UlyssesSpec | None]:
+    """Every local check, then the plan of the call. Raises before any collective."""
     check_qkv(q, k, v)
     check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
-    check_group(ulysses_group, "ulysses_group")
-    check_group(ring_group, "ring_group")
     check_local_length(layout, q.shape[1])
     u, r = _size(ulysses_group), _size(ring_group)
     if u > 1:
@@ -77,11 +75,47 @@ def sequence_parallel_attention(
     ring_rank = dist.get_rank(ring_group) if ring_group is not None else 0
     reorder = ulysses_to_ring_reorder(layout, u, r, q.shape[1] * u * r, ring_rank, q.device) if u > 1 else None
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3])
-    spec = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel, resolve_scale(softmax_scale, q.shape[3]))
+    ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel, resolve_scale(softmax_scale, q.shape[3]))
+    return ring, (UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None)
 
-    ulysses = UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None
-    out, lse = SequenceParallelFunction.apply(q, k, v, spec, ulysses)
-    return (out, lse) if return_lse else out
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    ulysses_group: dist.ProcessGroup | None,
+    ring_group: dist.ProcessGroup | None,
+    agreement_group: dist.ProcessGroup,
+    causal: bool,
+    layout: str,
+    softmax_scale: float | None,
+    backend: str,
+    return_lse: bool,
+    validate: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
+    options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
+    always = validation_requested(validate)
+    try:
+        ring, ulysses = _prepare(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, return_lse=return_lse, **options)
+        error = None
+    except (TypeError, ValueError, RuntimeError) as exc:
+        if not always:
+            raise  # bad everywhere is the common case: no collective needed to say so
+        error = exc
+    if _size(agreement_group) > 1:
+        signature = CallSignature.of(q, k, v, ulysses_size=_size(ulysses_group), ring_size=_size(ring_group), **options)
+        device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+        agree(agreement_group, signature, error, always=always, device=device)
+    if error is not None:
+        raise error
+    return SequenceParallelFunction.apply(q, k, v, ring, ulysses)
+
+
+def _group_or_world(group: dist.ProcessGroup | None, name: str = "group") -> dist.ProcessGroup:
+    check_group(group, name)
+    return group if group is not None else dist.group.WORLD
 
 
 def ring_attention(
@@ -95,6 +129,7 @@ def ring_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     return_lse: bool = False,
+    validate: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ring attention over ``group`` (None = the default group).
 
@@ -102,12 +137,14 @@ def ring_attention(
     ``shard_sequence(x, rank=group rank, world_size=group size, layout=layout)``.
     Returns out ``[b, n, h, d]`` in q's dtype; with ``return_lse`` also lse ``[b, h, n]``
     (float32). Only KV heads travel (GQA/MQA); dK/dV are accumulated in fp32.
+    ``validate``: agree on the arguments across ranks on every call (default: on the
+    first call of each new shape; ``RING_SP_VALIDATE=1`` sets it globally).
     """
-    check_group(group)
-    return sequence_parallel_attention(
-        q, k, v, ulysses_group=None, ring_group=group if group is not None else dist.group.WORLD,
-        causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend, return_lse=return_lse,
-    )
+    ring_group = _group_or_world(group)
+    out, lse = _attention(q, k, v, ulysses_group=None, ring_group=ring_group, agreement_group=ring_group,
+                          causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
+                          return_lse=return_lse, validate=validate)
+    return (out, lse) if return_lse else out
 
 
 def ulysses_attention(
@@ -120,6 +157,7 @@ def ulysses_attention(
     layout: str = "zigzag",
     softmax_scale: float | None = None,
     backend: str = "auto",
+    validate: bool | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention over ``group`` (None = the default group).
 
@@ -128,11 +166,10 @@ def ulysses_attention(
     ``h % U == 0`` and ``h_kv % U == 0`` or ``U % h_kv == 0`` (KV heads are then
     replicated only to the ranks that need them). Returns ``[b, n, h, d]``.
     """
-    check_group(group)
-    return sequence_parallel_attention(
-        q, k, v, ulysses_group=group if group is not None else dist.group.WORLD, ring_group=None,
-        causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-    )
+    ulysses_group = _group_or_world(group)
+    return _attention(q, k, v, ulysses_group=ulysses_group, ring_group=None, agreement_group=ulysses_group,
+                      causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
+                      return_lse=False, validate=validate)[0]
 
 
 def hybrid_attention(
@@ -145,6 +182,7 @@ def hybrid_attention(
     layout: str = "zigzag",
     softmax_scale: float | None = None,
     backend: str = "auto",
+    validate: bool | None = None,
 ) -> torch.Tensor:
     """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
 
@@ -159,7 +197,6 @@ def hybrid_attention(
             f"topology must be a SequenceParallelTopology from ring_sp.init_sequence_parallel; "
             f"got {type(topology).__name__}"
         )
-    return sequence_parallel_attention(
-        q, k, v, ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
-        causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-    )
+    return _attention(q, k, v, ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
+                      agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
+                      backend=backend, return_lse=False, validate=validate)[0]

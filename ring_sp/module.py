@@ -15,7 +15,8 @@ class SequenceParallelAttention(nn.Module):
 
     ``forward(q, k, v)`` takes q ``[b, n, h, d]`` and k/v ``[b, n, h_kv, d]`` (this
     rank's shard, in ``layout`` over ``topology.sp_rank``) and returns ``[b, n, h, d]``.
-    Holds no parameters, so checkpoints do not depend on the grid shape.
+    Holds no parameters, so checkpoints do not depend on the grid shape. ``validate``:
+    see :func:`ring_sp.ring_attention`.
     """
 
     def __init__(
@@ -26,6 +27,7 @@ class SequenceParallelAttention(nn.Module):
         layout: str = "zigzag",
         backend: str = "auto",
         softmax_scale: float | None = None,
+        validate: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(topology, SequenceParallelTopology):
@@ -36,11 +38,12 @@ class SequenceParallelAttention(nn.Module):
         self.layout = layout
         self.backend = backend
         self.softmax_scale = softmax_scale
+        self.validate = validate
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return hybrid_attention(
             q, k, v, topology=self.topology, causal=self.causal, layout=self.layout,
-            softmax_scale=self.softmax_scale, backend=self.backend,
+            softmax_scale=self.softmax_scale, backend=self.backend, validate=self.validate,
         )
 
     def extra_repr(self) -> str:

@@ -19,9 +19,8 @@ Whatever the placement, the sequence layout uses ``sp_rank = ring_rank * U + uly
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
-
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -161,6 +160,21 @@ class SequenceParallelTopology:
         )
 
 
+def group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
+    """The timeout ``group`` (None = default group) was created with, or None if unknown.
+
+    ``new_group`` does NOT inherit the default group's timeout (it falls back to 30
+    minutes), so the topology passes this explicitly: a failure in a subgroup then
+    surfaces as fast as the user asked for in ``init_process_group``.
+    """
+    group = group if group is not None else dist.group.WORLD
+    device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+    try:  # private but stable since torch 2.0: Backend.Options._timeout
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _parent_ranks(group: dist.ProcessGroup | None) -> list[int]:
     if group is None:
         return list(range(dist.get_world_size()))
@@ -180,7 +194,8 @@ def init_sequence_parallel(
     Collective over the DEFAULT group: every rank must call it, each passing its own
     ``group`` when the job splits into several parents (e.g. Megatron's context-parallel
     groups); the parents are exchanged so every rank creates every group in one order.
-    ``timeout`` bounds every collective on the new groups (default: the backend's).
+    ``timeout`` bounds every collective on the new groups (default: the timeout of
+    ``group``, i.e. what was given to ``init_process_group``).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized; call torch.distributed.init_process_group first")
@@ -201,6 +216,7 @@ def init_sequence_parallel(
     me = dist.get_rank()
     found: dict[str, dist.ProcessGroup] = {}
     separate_whole = group is not None or timeout is not None  # else WORLD serves as DP x SP
+    timeout = timeout if timeout is not None else group_timeout(group)
     for parent in parents:
         grid = rank_grid(len(parent), ulysses_size, ring_size, placement)
         for kind, groups in (("sp", grid.sp_groups), ("ulysses", grid.ulysses_groups),

@@ -38,10 +38,11 @@ class RankError:
 class DistributedCaseError(AssertionError):
     """A case failed or timed out on at least one rank; carries each rank's report."""
 
-    def __init__(self, summary: str, errors: list[RankError]) -> None:
+    def __init__(self, summary: str, errors: list[RankError], results: list[Any]) -> None:
         details = "\n".join(f"--- rank {e.rank}: {e.kind}: {e.message}\n{e.traceback}" for e in errors)
         super().__init__(f"{summary}\n{details}")
         self.errors = errors
+        self.results = results  # what the ranks that did answer returned (None for the others)
 
 
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, sys_path: list[str], pg_timeout_s: float, env: dict[str, str]) -> None:
@@ -153,7 +154,7 @@ class RankPool:
             self.kill()
             errors.sort(key=lambda e: e.rank)
             name = getattr(fn, "__qualname__", repr(fn))
-            raise DistributedCaseError(f"{name} failed on ranks {[e.rank for e in errors]} of {self.world_size}", errors)
+            raise DistributedCaseError(f"{name} failed on ranks {[e.rank for e in errors]} of {self.world_size}", errors, results)
         return results
 
     def kill(self) -> None:

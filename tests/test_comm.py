@@ -43,11 +43,14 @@ def measure(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, dtype: st
     q = torch.randn(b, n, h, d, dtype=dt, requires_grad=True)
     k = torch.randn(b, n, h_kv, d, dtype=dt, requires_grad=True)
     v = torch.randn(b, n, h_kv, d, dtype=dt, requires_grad=True)
+    with _count_torch_collectives() as first_calls:  # the first call of a shape agrees on it
+        ring_sp.hybrid_attention(q, k, v, topology=topo, causal=True)
     with _count_torch_collectives() as fwd_calls, ring_sp.count_communication() as fwd:
         out = ring_sp.hybrid_attention(q, k, v, topology=topo, causal=True)
     with _count_torch_collectives() as bwd_calls, ring_sp.count_communication() as bwd:
         out.backward(torch.randn_like(out))
-    return {"fwd": fwd.bytes_sent, "bwd": bwd.bytes_sent, "fwd_calls": dict(fwd_calls), "bwd_calls": dict(bwd_calls)}
+    return {"fwd": fwd.bytes_sent, "bwd": bwd.bytes_sent, "fwd_calls": dict(fwd_calls), "bwd_calls": dict(bwd_calls),
+            "first_calls": dict(first_calls)}
 
 
 def expected_bytes(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, elem: int) -> tuple[dict, dict]:
@@ -85,3 +88,5 @@ def test_bytes_and_calls_match_the_design(pools, u: int, r: int, h: int, h_kv: i
         a2a = 3 if u > 1 else 0
         assert res["fwd_calls"] == {k: v for k, v in {"batch_isend_irecv": ring_fwd, "all_to_all_single": a2a}.items() if v}
         assert res["bwd_calls"] == {k: v for k, v in {"batch_isend_irecv": ring_bwd, "all_to_all_single": a2a}.items() if v}
+        # the first call of a new shape adds exactly one small all_gather (the agreement)
+        assert res["first_calls"] == {**res["fwd_calls"], "all_gather": 1}

@@ -5,7 +5,7 @@ Importing this package has no side effects: no process groups, no CUDA, no flash
 
 from .attention import hybrid_attention, ring_attention, ulysses_attention
 from .comm import count_communication
-from .data import shard_batch, shift_labels
+from .data import document_positions, pad_documents, shard_batch, shift_labels
 from .layouts import LAYOUTS, gather_sequence, layout_positions, shard_sequence, unshard_sequence
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss
 from .module import SequenceParallelAttention
@@ -19,10 +19,12 @@ __all__ = [
     "SequenceParallelAttention",
     "SequenceParallelTopology",
     "count_communication",
+    "document_positions",
     "gather_sequence",
     "hybrid_attention",
     "init_sequence_parallel",
     "layout_positions",
+    "pad_documents",
     "rank_grid",
     "ring_attention",
     "sequence_parallel_cross_entropy",

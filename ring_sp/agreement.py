@@ -50,7 +50,7 @@ class CallSignature:
 
     @staticmethod
     def of(q: object, k: object, v: object, *, causal: object, layout: object, softmax_scale: object,
-           backend: object, ulysses_size: int, ring_size: int) -> CallSignature:
+           backend: object, ulysses_size: int, ring_size: int, cu_seqlens: tuple[int, ...] | None = None) -> CallSignature:
         def shape(t: object) -> tuple[int, int, int, int]:
             dims = tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else (-1, -1, -1, -1)
             return dims  # type: ignore[return-value]
@@ -61,10 +61,17 @@ class CallSignature:
         dtype = q.dtype if isinstance(q, torch.Tensor) else None
         device = q.device.type if isinstance(q, torch.Tensor) else "?"
         values = (*shape(q), *shape(k), *shape(v), code(dtype, _DTYPES), code(device, ("cpu", "cuda")),
-                  int(causal is True), code(layout, LAYOUTS), code(backend, BACKENDS), _scale_bits(softmax_scale), ulysses_size, ring_size)
+                  int(causal is True), code(layout, LAYOUTS), code(backend, BACKENDS), _scale_bits(softmax_scale), ulysses_size, ring_size,
+                  -1 if cu_seqlens is None else len(cu_seqlens), _checksum(cu_seqlens))
         text = (f"q {shape(q)}, k {shape(k)}, v {shape(v)}, dtype {dtype}, device {device}, causal={causal!r}, "
-                f"layout={layout!r}, softmax_scale={softmax_scale!r}, backend={backend!r}, ulysses x ring = {ulysses_size} x {ring_size}")
+                f"layout={layout!r}, softmax_scale={softmax_scale!r}, backend={backend!r}, ulysses x ring = {ulysses_size} x {ring_size}, "
+                f"cu_seqlens={'None' if cu_seqlens is None else f'{len(cu_seqlens) - 1} documents (checksum {_checksum(cu_seqlens)})'}")
         return CallSignature(values, text)
+
+
+def _checksum(values: tuple[int, ...] | None) -> int:
+    """Order-sensitive and equal on every process (unlike str hashes, int tuple hashes are not salted)."""
+    return -1 if values is None else hash(values) & (2**62 - 1)
 
 
 def _scale_bits(softmax_scale: object) -> int:

@@ -25,10 +25,10 @@ import torch.distributed as dist
 from .agreement import CallSignature, agree, validation_requested
 from .function import SequenceParallelFunction, UlyssesSpec
 from .kernels import get_kernel
-from .layouts import ulysses_to_ring_reorder
+from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_reorder
 from .ring import RingSpec, ring_comm_for
 from .topology import SequenceParallelTopology
-from .validation import check_group, check_local_length, check_options, check_qkv, resolve_scale
+from .validation import check_cu_seqlens, check_group, check_local_length, check_options, check_qkv, resolve_scale
 
 
 def check_ulysses_heads(heads: int, kv_heads: int, ulysses_size: int) -> None:
@@ -62,20 +62,25 @@ def _prepare(
     softmax_scale: float | None,
     backend: str,
     return_lse: bool,
+    cu_seqlens: Boundaries | None,
 ) -> tuple[RingSpec, UlyssesSpec | None]:
     """Every local check, then the plan of the call. Raises before any collective."""
     check_qkv(q, k, v)
     check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
     check_local_length(layout, q.shape[1])
     u, r = _size(ulysses_group), _size(ring_group)
+    global_len = q.shape[1] * u * r
+    if cu_seqlens is not None or layout == "document_zigzag":
+        check_layout(layout, u * r, global_len, name="the global length (q.shape[1] x SP size)", cu_seqlens=cu_seqlens)
     if u > 1:
         check_ulysses_heads(q.shape[2], k.shape[2], u)
     if return_lse and u > 1:
         raise ValueError("return_lse=True is only supported without Ulysses (ulysses size 1): lse is head-sharded inside")
     ring_rank = dist.get_rank(ring_group) if ring_group is not None else 0
-    reorder = ulysses_to_ring_reorder(layout, u, r, q.shape[1] * u * r, ring_rank, q.device) if u > 1 else None
+    reorder = ulysses_to_ring_reorder(layout, u, r, global_len, ring_rank, q.device, cu_seqlens) if u > 1 else None
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3])
-    ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel, resolve_scale(softmax_scale, q.shape[3]))
+    ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
+                    resolve_scale(softmax_scale, q.shape[3]), cu_seqlens)
     return ring, (UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None)
 
 
@@ -93,19 +98,25 @@ def _attention(
     backend: str,
     return_lse: bool,
     validate: bool | None,
+    cu_seqlens: torch.Tensor | list[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
     options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
     always = validation_requested(validate)
+    boundaries = None
     try:
-        ring, ulysses = _prepare(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, return_lse=return_lse, **options)
+        check_cu_seqlens(cu_seqlens)
+        boundaries = as_boundaries(cu_seqlens)
+        ring, ulysses = _prepare(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, return_lse=return_lse,
+                                 cu_seqlens=boundaries, **options)
         error = None
     except (TypeError, ValueError, RuntimeError) as exc:
         if not always:
             raise  # bad everywhere is the common case: no collective needed to say so
         error = exc
     if _size(agreement_group) > 1:
-        signature = CallSignature.of(q, k, v, ulysses_size=_size(ulysses_group), ring_size=_size(ring_group), **options)
+        signature = CallSignature.of(q, k, v, ulysses_size=_size(ulysses_group), ring_size=_size(ring_group),
+                                     cu_seqlens=boundaries, **options)
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         agree(agreement_group, signature, error, always=always, device=device)
     if error is not None:
@@ -130,6 +141,7 @@ def ring_attention(
     backend: str = "auto",
     return_lse: bool = False,
     validate: bool | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ring attention over ``group`` (None = the default group).
 
@@ -139,11 +151,14 @@ def ring_attention(
     (float32). Only KV heads travel (GQA/MQA); dK/dV are accumulated in fp32.
     ``validate``: agree on the arguments across ranks on every call (default: on the
     first call of each new shape; ``RING_SP_VALIDATE=1`` sets it globally).
+    ``cu_seqlens``: packed sequences - int ``[num_docs + 1]`` boundaries of the documents
+    in the GLOBAL sequence, the same on every rank; a token attends only inside its own
+    document (``layout="document_zigzag"`` balances causal work for any document mix).
     """
     ring_group = _group_or_world(group)
     out, lse = _attention(q, k, v, ulysses_group=None, ring_group=ring_group, agreement_group=ring_group,
                           causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                          return_lse=return_lse, validate=validate)
+                          return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens)
     return (out, lse) if return_lse else out
 
 
@@ -158,6 +173,7 @@ def ulysses_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     validate: bool | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention over ``group`` (None = the default group).
 
@@ -165,11 +181,12 @@ def ulysses_attention(
     (every layout works: the all-to-all output is put back in natural order). Needs
     ``h % U == 0`` and ``h_kv % U == 0`` or ``U % h_kv == 0`` (KV heads are then
     replicated only to the ranks that need them). Returns ``[b, n, h, d]``.
+    ``validate`` and ``cu_seqlens``: as in :func:`ring_attention`.
     """
     ulysses_group = _group_or_world(group)
     return _attention(q, k, v, ulysses_group=ulysses_group, ring_group=None, agreement_group=ulysses_group,
                       causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                      return_lse=False, validate=validate)[0]
+                      return_lse=False, validate=validate, cu_seqlens=cu_seqlens)[0]
 
 
 def hybrid_attention(
@@ -183,6 +200,7 @@ def hybrid_attention(
     softmax_scale: float | None = None,
     backend: str = "auto",
     validate: bool | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor:
     """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
 
@@ -191,6 +209,8 @@ def hybrid_attention(
     Ulysses all-to-all over U (heads must split: ``h % U == 0``), ring attention over R
     on ``h/U`` heads with un-replicated KV, then back. ``contiguous`` and ``zigzag`` work
     for every ``U x R``; ``striped`` when U == 1 or R == 1. Returns ``[b, n, h, d]``.
+    ``validate`` and ``cu_seqlens``: as in :func:`ring_attention` (``document_zigzag``
+    works for every ``U x R``).
     """
     if not isinstance(topology, SequenceParallelTopology):
         raise TypeError(
@@ -199,4 +219,4 @@ def hybrid_attention(
         )
     return _attention(q, k, v, ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
                       agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                      backend=backend, return_lse=False, validate=validate)[0]
+                      backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens)[0]

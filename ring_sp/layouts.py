@@ -6,77 +6,154 @@ With ``P`` ranks and global length ``N`` (DESIGN.md section 3):
 * ``zigzag`` (the default): ``2P`` equal chunks; rank i holds chunk i then chunk
   ``2P-1-i``. This is Megatron's ``get_batch_on_this_cp_rank`` convention.
 * ``striped``: rank i holds tokens ``i, i+P, i+2P, ...``.
+* ``document_zigzag`` (packed sequences): zigzag applied to EVERY document: each document
+  (boundaries ``cu_seqlens``) is split into ``2P`` equal chunks and rank i holds chunks i
+  and ``2P-1-i`` of each, documents in order. Every rank gets the same causal work for any
+  mix of document lengths (plain zigzag can be 2-3x off); each document's length must be a
+  multiple of ``2P`` (pad documents, as TransformerEngine's THD format also requires).
 
 Everything else (sharding, gathering, the post-Ulysses reorder, work counts) is derived
 from one function, :func:`layout_positions`, so the layout is defined exactly once.
+In every layout a rank's local order is increasing in global position, so each document
+occupies one contiguous run of a shard (the packed ring schedule relies on it).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-LAYOUTS = ("contiguous", "zigzag", "striped")
+LAYOUTS = ("contiguous", "zigzag", "striped", "document_zigzag")
+
+# Document boundaries of the global packed sequence, as a hashable tuple (0, ..., N).
+Boundaries = tuple[int, ...]
 
 
-def check_layout(layout: str, world_size: int, seq_len: int, *, name: str = "seq_len") -> None:
-    """Raise ``ValueError`` unless ``layout`` can split ``seq_len`` tokens over ``world_size`` ranks."""
+def as_boundaries(cu_seqlens: torch.Tensor | Sequence[int] | None) -> Boundaries | None:
+    """``cu_seqlens`` (int tensor or sequence ``[num_docs + 1]``) as a tuple, or None.
+    A CUDA tensor costs one device-to-host copy (once per call)."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        return tuple(int(x) for x in cu_seqlens.tolist())
+    return tuple(int(x) for x in cu_seqlens)
+
+
+def check_boundaries(cu_seqlens: Boundaries, seq_len: int, *, name: str = "cu_seqlens") -> None:
+    """``cu_seqlens`` must run from 0 to the global length ``seq_len``, strictly increasing."""
+    if len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != seq_len:
+        raise ValueError(
+            f"{name} must start at 0 and end at the global sequence length {seq_len} "
+            f"([num_docs + 1] document boundaries of the packed sequence); got {_short(cu_seqlens)}"
+        )
+    bad = next((i for i in range(1, len(cu_seqlens)) if cu_seqlens[i] <= cu_seqlens[i - 1]), None)
+    if bad is not None:
+        raise ValueError(
+            f"{name} must be strictly increasing (no empty documents); "
+            f"{name}[{bad - 1}]={cu_seqlens[bad - 1]} >= {name}[{bad}]={cu_seqlens[bad]}"
+        )
+
+
+def _short(values: Sequence[int]) -> str:
+    values = list(values)
+    return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:6]))}, ..., {', '.join(map(str, values[-3:]))}] ({len(values)} values)"
+
+
+def check_layout(layout: str, world_size: int, seq_len: int, *, name: str = "seq_len",
+                 cu_seqlens: Boundaries | None = None) -> None:
+    """Raise ``ValueError`` unless ``layout`` can split ``seq_len`` tokens over ``world_size`` ranks
+    (and, for ``document_zigzag``, every document of ``cu_seqlens`` into ``2 * world_size`` chunks)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    multiple = 2 * world_size if layout == "zigzag" else world_size
+    multiple = 2 * world_size if layout in ("zigzag", "document_zigzag") else world_size
     if seq_len % multiple != 0 or seq_len == 0:
         raise ValueError(
             f"{name}={seq_len} must be a positive multiple of {multiple} for layout={layout!r} "
             f"over {world_size} ranks; pad the sequence to a multiple of {multiple}"
         )
+    if cu_seqlens is not None:
+        check_boundaries(cu_seqlens, seq_len)
+    if layout == "document_zigzag":
+        if cu_seqlens is None:
+            raise ValueError("layout='document_zigzag' needs cu_seqlens (the document boundaries); pass cu_seqlens=")
+        lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+        bad = next((i for i, n in enumerate(lengths) if n % multiple), None)
+        if bad is not None:
+            raise ValueError(
+                f"layout='document_zigzag' over {world_size} ranks needs every document length to be a "
+                f"multiple of {multiple}; document {bad} has length {lengths[bad]}. Pad each document to a "
+                f"multiple of {multiple} (ring_sp.pad_documents), or use layout='striped' (balanced without padding)"
+            )
 
 
 @functools.lru_cache(maxsize=256)
-def _positions(layout: str, world_size: int, seq_len: int) -> torch.Tensor:
+def _positions(layout: str, world_size: int, seq_len: int, cu_seqlens: Boundaries | None) -> torch.Tensor:
     if layout == "contiguous":
         return torch.arange(seq_len).view(world_size, -1)
     if layout == "zigzag":
-        chunks = torch.arange(seq_len).view(2 * world_size, -1)
-        ranks = torch.arange(world_size)
-        return torch.cat([chunks[ranks], chunks[2 * world_size - 1 - ranks]], dim=1)
+        return _zigzag(torch.arange(seq_len), world_size)
+    if layout == "document_zigzag":
+        assert cu_seqlens is not None  # check_layout ran
+        return torch.cat([_zigzag(torch.arange(a, b), world_size) for a, b in zip(cu_seqlens, cu_seqlens[1:])], dim=1)
     # striped: token t lives on rank t % P at local index t // P
     return torch.arange(seq_len).view(-1, world_size).t().contiguous()
 
 
-def layout_positions(layout: str, world_size: int, seq_len: int) -> torch.Tensor:
+def _zigzag(tokens: torch.Tensor, world_size: int) -> torch.Tensor:
+    """[P, len/P]: rank i gets chunks i and 2P-1-i of ``tokens`` split into 2P chunks."""
+    chunks = tokens.view(2 * world_size, -1)
+    ranks = torch.arange(world_size)
+    return torch.cat([chunks[ranks], chunks[2 * world_size - 1 - ranks]], dim=1)
+
+
+def layout_positions(layout: str, world_size: int, seq_len: int,
+                     cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
     """Global positions held by each rank: LongTensor ``[world_size, seq_len // world_size]``,
-    row i listing rank i's tokens in its local order. Read-only (cached)."""
-    check_layout(layout, world_size, seq_len)
-    return _positions(layout, world_size, seq_len)
+    row i listing rank i's tokens in its local order. Read-only (cached). ``cu_seqlens``
+    is only used by ``document_zigzag``."""
+    boundaries = as_boundaries(cu_seqlens)
+    check_layout(layout, world_size, seq_len, cu_seqlens=boundaries)
+    return _positions(layout, world_size, seq_len, _layout_key(layout, boundaries))
+
+
+def _layout_key(layout: str, boundaries: Boundaries | None) -> Boundaries | None:
+    """Only document_zigzag depends on the documents: keep the caches of the others small."""
+    return boundaries if layout == "document_zigzag" else None
 
 
 @functools.lru_cache(maxsize=256)
-def _index_on(layout: str, world_size: int, seq_len: int, rank: int | None, device: torch.device) -> torch.Tensor:
-    positions = _positions(layout, world_size, seq_len)
+def _index_on(layout: str, world_size: int, seq_len: int, cu_seqlens: Boundaries | None, rank: int | None,
+              device: torch.device) -> torch.Tensor:
+    positions = _positions(layout, world_size, seq_len, cu_seqlens)
     index = positions.reshape(-1).argsort() if rank is None else positions[rank]
     return index.to(device)
 
 
-def shard_sequence(x: torch.Tensor, *, rank: int, world_size: int, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, *, rank: int, world_size: int, layout: str = "zigzag", dim: int = 1,
+                   cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
     """This rank's shard of a global sequence tensor.
 
     ``x`` has the global length ``N`` along ``dim`` (e.g. ``[b, N, h, d]`` or ``[b, N]``);
     returns the same shape with ``N / world_size`` along ``dim``, in the layout's local
     order. Differentiable (the gradient scatters back into the global positions).
+    ``cu_seqlens`` (document boundaries) is required by ``document_zigzag`` only.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     dim = dim % x.dim()
-    check_layout(layout, world_size, x.shape[dim], name=f"x.shape[{dim}]")
-    return x.index_select(dim, _index_on(layout, world_size, x.shape[dim], rank, x.device))
+    boundaries = as_boundaries(cu_seqlens)
+    check_layout(layout, world_size, x.shape[dim], name=f"x.shape[{dim}]", cu_seqlens=boundaries)
+    return x.index_select(dim, _index_on(layout, world_size, x.shape[dim], _layout_key(layout, boundaries), rank, x.device))
 
 
-def unshard_sequence(shards: torch.Tensor, *, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+def unshard_sequence(shards: torch.Tensor, *, layout: str = "zigzag", dim: int = 1,
+                     cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
     """Inverse of :func:`shard_sequence` for all shards at once, without communication.
 
     ``shards`` stacks every rank's shard along a new leading dim: ``[P, ...]`` with the
@@ -86,8 +163,10 @@ def unshard_sequence(shards: torch.Tensor, *, layout: str = "zigzag", dim: int =
     dim = dim % (shards.dim() - 1)
     concatenated = torch.cat(shards.unbind(0), dim=dim)
     seq_len = concatenated.shape[dim]
-    check_layout(layout, world_size, seq_len, name="total sequence length")
-    return concatenated.index_select(dim, _index_on(layout, world_size, seq_len, None, concatenated.device))
+    boundaries = as_boundaries(cu_seqlens)
+    check_layout(layout, world_size, seq_len, name="total sequence length", cu_seqlens=boundaries)
+    index = _index_on(layout, world_size, seq_len, _layout_key(layout, boundaries), None, concatenated.device)
+    return concatenated.index_select(dim, index)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -96,11 +175,11 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, layout: str, dim: int,
-                layout_ranks: tuple[int, ...] | None) -> torch.Tensor:
+                layout_ranks: tuple[int, ...] | None, cu_seqlens: Boundaries | None) -> torch.Tensor:
         world_size = dist.get_world_size(group)
         group_rank = dist.get_rank(group)
         ctx.rank = layout_ranks[group_rank] if layout_ranks is not None else group_rank
-        ctx.world_size, ctx.layout, ctx.dim = world_size, layout, dim
+        ctx.world_size, ctx.layout, ctx.dim, ctx.cu_seqlens = world_size, layout, dim, cu_seqlens
         parts = [torch.empty_like(x) for _ in range(world_size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         if layout_ranks is not None:  # put the shards in layout-rank order
@@ -108,12 +187,13 @@ class _GatherSequence(torch.autograd.Function):
             for g, part in enumerate(parts):
                 by_layout_rank[layout_ranks[g]] = part
             parts = by_layout_rank
-        return unshard_sequence(torch.stack(parts), layout=layout, dim=dim)
+        return unshard_sequence(torch.stack(parts), layout=layout, dim=dim, cu_seqlens=cu_seqlens)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        mine = shard_sequence(grad, rank=ctx.rank, world_size=ctx.world_size, layout=ctx.layout, dim=ctx.dim)
-        return mine, None, None, None, None
+        mine = shard_sequence(grad, rank=ctx.rank, world_size=ctx.world_size, layout=ctx.layout, dim=ctx.dim,
+                              cu_seqlens=ctx.cu_seqlens)
+        return mine, None, None, None, None, None
 
 
 def gather_sequence(
@@ -123,6 +203,7 @@ def gather_sequence(
     layout: str = "zigzag",
     dim: int = 1,
     layout_ranks: tuple[int, ...] | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Gather every rank's shard into the global sequence, in natural token order, on every rank.
 
@@ -131,15 +212,16 @@ def gather_sequence(
     is the layout rank unless ``layout_ranks[group_rank]`` says otherwise (use
     ``topology.gather_sequence``, which passes it). Differentiable: the backward returns
     this rank's slice of the gradient (all ranks are assumed to compute the same function
-    of the gathered tensor, as in a replicated loss).
+    of the gathered tensor, as in a replicated loss). ``cu_seqlens``: for ``document_zigzag``.
     """
     if x.dim() == 0:
         raise ValueError("x must have a sequence dimension; got a 0-d tensor")
     dim = dim % x.dim()
-    return _GatherSequence.apply(x, group, layout, dim, layout_ranks)
+    return _GatherSequence.apply(x, group, layout, dim, layout_ranks, as_boundaries(cu_seqlens))
 
 
-def ulysses_to_ring_order(layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int) -> torch.Tensor | None:
+def ulysses_to_ring_order(layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int,
+                          cu_seqlens: Boundaries | None = None) -> torch.Tensor | None:
     """Reorder that turns the Ulysses all-to-all output into the ring's layout.
 
     The layout is defined over the SP group with ``sp_rank = ring_rank * U + ulysses_rank``.
@@ -150,8 +232,9 @@ def ulysses_to_ring_order(layout: str, ulysses_size: int, ring_size: int, seq_le
     ring layout shard at all (``striped`` with U > 1 and R > 1).
     """
     sp_size = ulysses_size * ring_size
-    gathered = layout_positions(layout, sp_size, seq_len)[ring_rank * ulysses_size:(ring_rank + 1) * ulysses_size].reshape(-1)
-    target = layout_positions(layout, ring_size, seq_len)[ring_rank]
+    members = slice(ring_rank * ulysses_size, (ring_rank + 1) * ulysses_size)
+    gathered = layout_positions(layout, sp_size, seq_len, cu_seqlens)[members].reshape(-1)
+    target = layout_positions(layout, ring_size, seq_len, cu_seqlens)[ring_rank]
     if torch.equal(gathered, target):
         return None
     where = torch.full((seq_len,), -1, dtype=torch.long)
@@ -177,10 +260,11 @@ class Reorder:
 
 @functools.lru_cache(maxsize=256)
 def ulysses_to_ring_reorder(
-    layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int, device: torch.device
+    layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int, device: torch.device,
+    cu_seqlens: Boundaries | None = None,
 ) -> Reorder | None:
     """:func:`ulysses_to_ring_order` with its inverse, cached on ``device``."""
-    index = ulysses_to_ring_order(layout, ulysses_size, ring_size, seq_len, ring_rank)
+    index = ulysses_to_ring_order(layout, ulysses_size, ring_size, seq_len, ring_rank, _layout_key(layout, cu_seqlens))
     if index is None:
         return None
     return Reorder(index.to(device), index.argsort().to(device))

@@ -40,10 +40,13 @@ class SequenceParallelAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.validate = validate
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu_seqlens: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+        """q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]`` -> ``[b, n, h, d]``; ``cu_seqlens``: the
+        packed documents' boundaries in the global sequence (see :func:`ring_sp.ring_attention`)."""
         return hybrid_attention(
             q, k, v, topology=self.topology, causal=self.causal, layout=self.layout,
-            softmax_scale=self.softmax_scale, backend=self.backend, validate=self.validate,
+            softmax_scale=self.softmax_scale, backend=self.backend, validate=self.validate, cu_seqlens=cu_seqlens,
         )
 
     def extra_repr(self) -> str:

@@ -16,18 +16,22 @@ import torch.distributed as dist
 from .comm import PendingExchange, RingComm
 from .kernels import AttentionKernel, softmax_stat_dtype
 from .merge import merge_block_
-from .schedule import ring_step_tasks
+from .layouts import Boundaries
+from .schedule import step_tasks
 
 
 class RingSpec:
-    """Everything the loops need besides tensors: the ring, the layout, the mask, the kernel."""
+    """Everything the loops need besides tensors: the ring, the layout, the mask (causal,
+    documents), the kernel."""
 
-    def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float) -> None:
+    def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
+                 cu_seqlens: Boundaries | None = None) -> None:
         self.comm = comm
         self.layout = layout
         self.causal = causal
         self.kernel = kernel
         self.scale = scale
+        self.cu_seqlens = cu_seqlens
         self.world_size = comm.world_size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
 
@@ -35,7 +39,7 @@ class RingSpec:
         """(step, tasks) for every step; the KV at step t comes from rank (rank - t) mod R."""
         for step in range(self.world_size):
             source = (self.rank - step) % self.world_size
-            yield step, ring_step_tasks(self.layout, self.causal, self.rank, source, local_len)
+            yield step, step_tasks(self.layout, self.causal, self.rank, source, self.world_size, local_len, self.cu_seqlens)
 
     def rotate(self, send: torch.Tensor, recv: torch.Tensor, kind: str) -> PendingExchange:
         assert self.comm is not None  # only called when world_size > 1

@@ -19,7 +19,7 @@ Whatever the placement, the sequence layout uses ``sp_rank = ring_rank * U + uly
 from __future__ import annotations
 
 import datetime
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -139,17 +139,22 @@ class SequenceParallelTopology:
         """The rank the sequence layout uses: ``ring_rank * U + ulysses_rank``."""
         return _layout_rank(Coordinates(self.dp_rank, self.ring_rank, self.ulysses_rank), self.ulysses_size)
 
-    def shard_sequence(self, x: torch.Tensor, *, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    def shard_sequence(self, x: torch.Tensor, *, layout: str = "zigzag", dim: int = 1,
+                       cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """This rank's shard of a global sequence tensor (length N along ``dim`` -> N / sp_size)."""
-        return shard_sequence(x, rank=self.sp_rank, world_size=self.sp_size, layout=layout, dim=dim)
+        return shard_sequence(x, rank=self.sp_rank, world_size=self.sp_size, layout=layout, dim=dim, cu_seqlens=cu_seqlens)
 
-    def gather_sequence(self, x: torch.Tensor, *, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    def gather_sequence(self, x: torch.Tensor, *, layout: str = "zigzag", dim: int = 1,
+                        cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
         """The global sequence from every SP rank's shard, in natural order (differentiable)."""
-        return gather_sequence(x, group=self.sp_group, layout=layout, dim=dim, layout_ranks=self.sp_group_layout_ranks)
+        return gather_sequence(x, group=self.sp_group, layout=layout, dim=dim, layout_ranks=self.sp_group_layout_ranks,
+                               cu_seqlens=cu_seqlens)
 
-    def shard_batch(self, batch: Mapping[str, torch.Tensor], *, layout: str = "zigzag", shift: bool = True) -> dict[str, torch.Tensor]:
+    def shard_batch(self, batch: Mapping[str, torch.Tensor], *, layout: str = "zigzag", shift: bool = True,
+                    cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> dict[str, torch.Tensor]:
         """:func:`ring_sp.shard_batch` for this rank's ``sp_rank``."""
-        return shard_batch(batch, rank=self.sp_rank, world_size=self.sp_size, layout=layout, shift=shift)
+        return shard_batch(batch, rank=self.sp_rank, world_size=self.sp_size, layout=layout, shift=shift,
+                           cu_seqlens=cu_seqlens)
 
     def __repr__(self) -> str:
         return (

@@ -90,6 +90,19 @@ def check_group(group: object, name: str = "group") -> None:
         )
 
 
+def check_cu_seqlens(cu_seqlens: object) -> None:
+    """``cu_seqlens`` is None or a 1-D integer tensor/sequence of document boundaries."""
+    if cu_seqlens is None:
+        return
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(
+                f"cu_seqlens must be a 1-D int32/int64 tensor [num_docs + 1]; got {_describe(cu_seqlens)}"
+            )
+    elif not isinstance(cu_seqlens, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+        raise TypeError(f"cu_seqlens must be a 1-D int tensor or a list of ints [num_docs + 1]; got {_describe(cu_seqlens)}")
+
+
 def check_local_length(layout: str, local_len: int, *, name: str = "q.shape[1]") -> None:
     """zigzag splits every shard into two equal chunks, so the local length must be even."""
     if layout == "zigzag" and local_len % 2 != 0:

@@ -46,10 +46,40 @@ class AttnCase:
     ring: int = 1
     placement: str = "ulysses_inner"
     backend: str = "auto"
+    packed: bool = False  # random documents (cu_seqlens) from the seed
 
     def label(self) -> str:
         return (f"{self.mode} U{self.ulysses}xR{self.ring} {self.placement} {self.layout} causal={self.causal} "
-                f"b={self.b} n={self.n_local} h={self.h}/{self.h_kv} d={self.d} {self.dtype} seed={self.seed}")
+                f"b={self.b} n={self.n_local} h={self.h}/{self.h_kv} d={self.d} {self.dtype} seed={self.seed}"
+                f"{' packed' if self.packed else ''}")
+
+
+def random_documents(seq_len: int, seed: int, multiple: int = 1) -> tuple[int, ...]:
+    """Document boundaries: length-1 documents, documents spanning every shard boundary,
+    and (multiple > 1) lengths that are multiples of ``multiple``."""
+    g = torch.Generator().manual_seed(seed)
+    units = seq_len // multiple
+    cuts = {0, units}
+    if multiple == 1 and units > 4:
+        cuts.update({1, 2, units - 1})  # length-1 documents at both ends
+    count = int(torch.randint(1, max(2, units // 3), (1,), generator=g))
+    cuts.update(int(c) for c in torch.randint(1, units, (count,), generator=g))
+    return tuple(multiple * c for c in sorted(cuts))
+
+
+def document_mask(cu_seqlens: tuple[int, ...], causal: bool) -> torch.Tensor:
+    """[N, N] oracle mask: same document (block diagonal), and causal if asked."""
+    n = cu_seqlens[-1]
+    doc = torch.searchsorted(torch.tensor(cu_seqlens), torch.arange(n), right=True)
+    same = doc.unsqueeze(0) == doc.unsqueeze(1)
+    return same & torch.ones(n, n, dtype=torch.bool).tril() if causal else same
+
+
+def case_documents(case: AttnCase, sp_size: int) -> tuple[int, ...] | None:
+    if not case.packed:
+        return None
+    multiple = 2 * sp_size if case.layout == "document_zigzag" else 1
+    return random_documents(case.n_local * sp_size, case.seed, multiple)
 
 
 def _sp_coordinates(case: AttnCase) -> tuple[int, int, int]:
@@ -60,8 +90,8 @@ def _sp_coordinates(case: AttnCase) -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), 0
 
 
-def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    common = dict(causal=case.causal, layout=case.layout, backend=case.backend)
+def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None):
+    common = dict(causal=case.causal, layout=case.layout, backend=case.backend, cu_seqlens=cu_seqlens)
     if case.mode == "ring":
         return ring_sp.ring_attention(q, k, v, return_lse=True, **common)
     if case.mode == "ulysses":
@@ -69,16 +99,21 @@ def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.
     return ring_sp.hybrid_attention(q, k, v, topology=topology(case.ulysses, case.ring, case.placement), **common), None
 
 
-def _single_device(inputs: dict[str, torch.Tensor], case: AttnCase) -> dict[str, torch.Tensor]:
-    """The same kernel in the same dtype on the full sequence, results in that dtype (as a
-    single-device user gets them): the ratio rule's yardstick."""
-    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+def _single_device(inputs: dict[str, torch.Tensor], case: AttnCase, cu_seqlens: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+    """The same kernel in the same dtype on the full sequence (one call per document when
+    packed), results in that dtype as a single-device user gets them: the ratio rule's yardstick."""
+    q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
     kernel = get_kernel(case.backend, q.device, q.dtype, q.shape[3])
     scale = q.shape[3] ** -0.5
-    out, lse = kernel.forward(q, k, v, causal=case.causal, scale=scale)
-    out = out.to(q.dtype)  # single-device training saves the output in the input dtype, as the ring does
-    dq, dk, dv = kernel.backward(inputs["dout"], q, k, v, out, lse, causal=case.causal, scale=scale)
-    return {name: t.to(q.dtype) for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv))}
+    results: dict[str, list[torch.Tensor]] = {"out": [], "dq": [], "dk": [], "dv": []}
+    for a, b in zip(cu_seqlens or (0, q.shape[1]), (cu_seqlens or (0, q.shape[1]))[1:]):
+        doc = slice(a, b)
+        out, lse = kernel.forward(q[:, doc], k[:, doc], v[:, doc], causal=case.causal, scale=scale)
+        out = out.to(q.dtype)  # single-device training saves the output in the input dtype, as the ring does
+        grads = kernel.backward(dout[:, doc], q[:, doc], k[:, doc], v[:, doc], out, lse, causal=case.causal, scale=scale)
+        for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+            results[name].append(t.to(q.dtype))
+    return {name: torch.cat(parts, dim=1) for name, parts in results.items()}
 
 
 def check_attention_case(case: AttnCase) -> dict[str, float]:
@@ -86,13 +121,15 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
     sp_rank, sp_size, dp_rank = _sp_coordinates(case)
     dtype = DTYPES[case.dtype]
     inputs = make_inputs(case.seed * 1000 + dp_rank, case.b, case.n_local * sp_size, case.h, case.h_kv, case.d, dtype)
-    expected = oracle_results(inputs, causal=case.causal)
+    cu = case_documents(case, sp_size)
+    mask = None if cu is None else document_mask(cu, case.causal)
+    expected = oracle_results(inputs, causal=case.causal and mask is None, mask=mask)
 
     def shard(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return ring_sp.shard_sequence(x, rank=sp_rank, world_size=sp_size, layout=case.layout, dim=dim)
+        return ring_sp.shard_sequence(x, rank=sp_rank, world_size=sp_size, layout=case.layout, dim=dim, cu_seqlens=cu)
 
     q, k, v = (shard(inputs[n]).requires_grad_() for n in ("q", "k", "v"))
-    out, lse = _run_distributed(case, q, k, v)
+    out, lse = _run_distributed(case, q, k, v, cu)
     out.backward(shard(inputs["dout"]))
     actual = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     for name, value in actual.items():
@@ -106,7 +143,7 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
     if lse is not None:
         errors["lse"] = assert_lse_close(f"{case.label()} lse", lse, shard(expected["lse"], dim=2), LSE_ATOL[dtype])
     if dtype in RATIO_FLOOR:  # no worse than 2x the same kernel's own error on one device
-        single = _single_device(inputs, case)
+        single = _single_device(inputs, case, cu)
         for name, value in actual.items():
             own = max_abs_error(shard(single[name]), shard(expected[name]))
             floor = RATIO_FLOOR[dtype] * max(1.0, expected[name].abs().max().item())

@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ring_sp.layouts import (LAYOUTS, layout_positions, shard_sequence, ulysses_to_ring_order, unshard_sequence)
+from ring_sp.layouts import layout_positions, shard_sequence, ulysses_to_ring_order, unshard_sequence
+
+PLAIN = ("contiguous", "zigzag", "striped")  # the layouts that need no documents
 
 
 def _expected_positions(layout: str, p: int, n: int, rank: int) -> list[int]:
@@ -25,7 +27,7 @@ world_and_length = st.integers(1, 8).flatmap(lambda p: st.tuples(st.just(p), st.
 
 
 @settings(max_examples=150, deadline=None)
-@given(world_and_length, st.sampled_from(LAYOUTS))
+@given(world_and_length, st.sampled_from(PLAIN))
 def test_positions_match_the_definition_and_form_a_permutation(pn: tuple[int, int], layout: str) -> None:
     p, n = pn
     positions = layout_positions(layout, p, n)
@@ -36,7 +38,7 @@ def test_positions_match_the_definition_and_form_a_permutation(pn: tuple[int, in
 
 
 @settings(max_examples=100, deadline=None)
-@given(world_and_length, st.sampled_from(LAYOUTS), st.integers(0, 3))
+@given(world_and_length, st.sampled_from(PLAIN), st.integers(0, 3))
 def test_shard_then_unshard_is_the_identity(pn: tuple[int, int], layout: str, dim_choice: int) -> None:
     p, n = pn
     shape = [2, 3, 2]
@@ -101,3 +103,45 @@ def test_zigzag_matches_megatron_get_batch_on_this_cp_rank() -> None:
         chunks = x.view(1, 2 * cp, n // (2 * cp))
         megatron = chunks.index_select(1, torch.tensor([r, 2 * cp - r - 1])).view(1, -1)
         assert torch.equal(shard_sequence(x, rank=r, world_size=cp, layout="zigzag"), megatron)
+
+
+def _document_zigzag_expected(p: int, cu: list[int], rank: int) -> list[int]:
+    """Zigzag written out per document (independent of layouts.py)."""
+    out = []
+    for a, b in zip(cu, cu[1:]):
+        c = (b - a) // (2 * p)
+        out += list(range(a + rank * c, a + (rank + 1) * c)) + list(range(a + (2 * p - 1 - rank) * c, a + (2 * p - rank) * c))
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.lists(st.integers(1, 4), min_size=1, max_size=6), st.integers(1, 3))
+def test_document_zigzag_is_zigzag_inside_every_document(p: int, doc_units: list[int], u: int) -> None:
+    cu = [0]
+    for units in doc_units:
+        cu.append(cu[-1] + units * 2 * p * u)
+    n = cu[-1]
+    positions = layout_positions("document_zigzag", p * u, n, cu)
+    for rank in range(p * u):
+        assert positions[rank].tolist() == _document_zigzag_expected(p * u, cu, rank)
+        assert positions[rank].diff().gt(0).all()  # local order increases: documents are runs
+    # after the Ulysses all-to-all, each ring rank holds a document_zigzag shard over R = p
+    for ring_rank in range(p):
+        gathered = torch.cat([positions[ring_rank * u + ur] for ur in range(u)])
+        order = ulysses_to_ring_order("document_zigzag", u, p, n, ring_rank, tuple(cu))
+        assert (gathered if order is None else gathered[order]).tolist() == _document_zigzag_expected(p, cu, ring_rank)
+    x = torch.arange(n).view(1, n)
+    shards = torch.stack([shard_sequence(x, rank=r, world_size=p, layout="document_zigzag", cu_seqlens=cu) for r in range(p)])
+    assert torch.equal(unshard_sequence(shards, layout="document_zigzag", cu_seqlens=cu), x)
+
+
+def test_document_boundaries_are_validated_with_the_fix() -> None:
+    x = torch.zeros(1, 16)
+    with pytest.raises(ValueError, match=r"needs cu_seqlens"):
+        shard_sequence(x, rank=0, world_size=2, layout="document_zigzag")
+    with pytest.raises(ValueError, match=r"document 1 has length 6.*multiple of 4.*pad_documents.*striped"):
+        shard_sequence(x, rank=0, world_size=2, layout="document_zigzag", cu_seqlens=[0, 4, 10, 16])
+    with pytest.raises(ValueError, match=r"cu_seqlens must start at 0 and end at the global sequence length 16"):
+        shard_sequence(x, rank=0, world_size=2, layout="striped", cu_seqlens=[0, 4, 12])
+    with pytest.raises(ValueError, match=r"strictly increasing.*cu_seqlens\[1\]=4 >= cu_seqlens\[2\]=4"):
+        shard_sequence(x, rank=0, world_size=2, layout="zigzag", cu_seqlens=torch.tensor([0, 4, 4, 16]))

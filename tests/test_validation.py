@@ -29,7 +29,7 @@ CASES = [
     (dict(q=torch.randn(2, 8, 3, 16)), ValueError, r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
     (dict(q=torch.randn(2, 0, 4, 16)), ValueError, r"q has an empty dimension: shape \(2, 0, 4, 16\)"),
     (dict(causal=1), TypeError, r"causal must be a bool; got int 1"),
-    (dict(layout="zig-zag"), ValueError, r"layout='zig-zag' is not one of \('contiguous', 'zigzag', 'striped'\)"),
+    (dict(layout="zig-zag"), ValueError, r"layout='zig-zag' is not one of \('contiguous', 'zigzag', 'striped', 'document_zigzag'\)"),
     (dict(backend="cudnn"), ValueError, r"backend='cudnn' is not one of"),
     (dict(softmax_scale=-1.0), ValueError, r"softmax_scale=-1.0 must be finite and > 0"),
     (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale=nan must be finite and > 0"),

@@ -1,0 +1,84 @@
+"""Issue 8: packed sequences (cu_seqlens) against the float64 oracle with a block-diagonal
+(causal) mask, for ring, Ulysses and the grid, every layout, random document lengths
+including length-1 documents and documents that span every shard boundary."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ring_sp
+from dist_cases import AttnCase, check_attention_cases, random_documents
+
+LAYOUTS = ("contiguous", "zigzag", "striped", "document_zigzag")
+
+
+def _cases(mode: str, u: int, r: int, layouts=LAYOUTS) -> list[AttnCase]:
+    shapes = itertools.cycle([(1, 16, 8), (2, 8, 12), (1, 64, 4)])
+    cases = []
+    for layout, causal, dtype, seed in itertools.product(layouts, (True, False), ("fp64", "fp32", "bf16"), range(2)):
+        b, d, n = next(shapes)
+        cases.append(AttnCase(mode, layout, causal, b, n, 4, 2, d, dtype, seed=100 * len(cases) + seed,
+                              ulysses=u, ring=r, packed=True))
+    return cases
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_packed_ring(pools, world_size: int) -> None:
+    pools.get(world_size).run(check_attention_cases, _cases("ring", 1, world_size), timeout=600)
+
+
+def test_packed_ulysses(pools) -> None:
+    pools.get(4).run(check_attention_cases, _cases("ulysses", 1, 1), timeout=600)
+
+
+@pytest.mark.parametrize("u,r", [(2, 2), (1, 4), (4, 1)])
+def test_packed_grid(pools, u: int, r: int) -> None:
+    layouts = ("zigzag", "contiguous", "document_zigzag") + (("striped",) if u == 1 or r == 1 else ())
+    pools.get(4).run(check_attention_cases, _cases("hybrid", u, r, layouts), timeout=600)
+
+
+def test_random_documents_cover_the_hard_cases() -> None:
+    cu = random_documents(64, seed=0)
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    assert 1 in lengths and sum(lengths) == 64
+    per_rank = 64 // 4
+    spanning = [(a, b) for a, b in zip(cu, cu[1:]) if a // per_rank != (b - 1) // per_rank]
+    assert spanning, "some document must span a contiguous shard boundary"
+
+
+def documents_that_share_nothing_launch_nothing() -> int:
+    """Two documents, each inside one contiguous shard: the other ranks' steps are empty."""
+    calls = {"n": 0}
+    topo_q = torch.randn(1, 8, 2, 8)
+    kernel_forward = ring_sp.kernels.torch_cpu.TorchCPUKernel.forward
+
+    def counting(self, *args, **kwargs):
+        calls["n"] += 1
+        return kernel_forward(self, *args, **kwargs)
+
+    ring_sp.kernels.torch_cpu.TorchCPUKernel.forward = counting
+    try:
+        ring_sp.ring_attention(topo_q, topo_q[:, :, :1], topo_q[:, :, :1], causal=False, layout="contiguous",
+                               cu_seqlens=[0, 8, 16])
+    finally:
+        ring_sp.kernels.torch_cpu.TorchCPUKernel.forward = kernel_forward
+    return calls["n"] if dist.get_world_size() == 2 else -1
+
+
+def test_steps_without_a_shared_document_launch_no_kernel(pools) -> None:
+    assert pools.get(2).run(documents_that_share_nothing_launch_nothing) == [1, 1]
+
+
+def test_shard_batch_with_documents_shifts_inside_documents_and_restarts_positions() -> None:
+    ids = torch.arange(10, 22).view(1, 12)
+    batch, cu = ring_sp.pad_documents({"input_ids": ids}, [0, 5, 12], 4, pad_id=0)
+    assert cu == (0, 8, 16) and batch["input_ids"][0, 5:8].tolist() == [0, 0, 0]
+    shards = [ring_sp.shard_batch(batch, rank=r, world_size=2, layout="document_zigzag", cu_seqlens=cu) for r in range(2)]
+    full = ring_sp.unshard_sequence(torch.stack([s["labels"] for s in shards]), layout="document_zigzag", cu_seqlens=cu)
+    assert full[0].tolist() == [11, 12, 13, 14, -100, -100, -100, -100, 16, 17, 18, 19, 20, 21, -100, -100]
+    positions = ring_sp.unshard_sequence(torch.stack([s["position_ids"] for s in shards]), layout="document_zigzag", cu_seqlens=cu)
+    assert positions[0].tolist() == list(range(8)) * 2

@@ -66,11 +66,17 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
     kv_next = torch.empty_like(kv) if many else None
     for step, tasks in spec.steps(n):
         pending = spec.rotate(kv, kv_next, "ring_kv") if step + 1 < spec.world_size else None
+        written: list[slice] = []  # rows filled at step 0: a first write is a copy, not a merge
         for task in tasks:
             out_b, lse_b = spec.kernel.forward(
                 q[:, task.q], kv[0][:, task.kv], kv[1][:, task.kv], causal=task.causal, scale=spec.scale
             )
-            merge_block_(out[:, task.q], lse[:, :, task.q], out_b, lse_b)
+            if step == 0 and all(task.q.stop <= w.start or task.q.start >= w.stop for w in written):
+                out[:, task.q].copy_(out_b)
+                lse[:, :, task.q].copy_(lse_b)
+                written.append(task.q)
+            else:
+                merge_block_(out[:, task.q], lse[:, :, task.q], out_b, lse_b)
         if pending is not None:
             pending.wait()
             kv, kv_next = kv_next, kv

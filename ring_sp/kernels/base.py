@@ -23,6 +23,7 @@ Conventions (shared by every backend, so the ring loop never branches on the bac
 
 from __future__ import annotations
 
+import abc
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -93,3 +94,49 @@ def empty_block_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.zeros_like(q)
     lse = torch.full((b, h, s), float("-inf"), dtype=softmax_stat_dtype(q.dtype), device=q.device)
     return out, lse
+
+
+class FusedKernel(abc.ABC):
+    """Shared shell of the fused backends: the shape contract, empty blocks (which some
+    ops cannot launch, the CPU one dies with SIGFPE) and a dense lse for the backward.
+    Subclasses implement ``_forward`` and ``_backward`` on non-empty blocks."""
+
+    name: str
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[b, sq, h, d]``, k/v ``[b, sk, h_kv, d]`` -> out ``[b, sq, h, d]``, lse ``[b, h, sq]``."""
+        check_block_shapes(q, k, v, causal)
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return empty_block_result(q)
+        return self._forward(q, k, v, causal, scale)
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients given the GLOBAL out ``[b, sq, h, d]`` and lse ``[b, h, sq]``:
+        dq ``[b, sq, h, d]``, dk/dv ``[b, sk, h_kv, d]``."""
+        if q.shape[1] == 0 or k.shape[1] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # the fused kernels index lse as a dense [b, h, sq] buffer (a strided view is wrong)
+        return self._backward(dout, q, k, v, out, lse.contiguous(), causal, scale)
+
+    @abc.abstractmethod
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op on a non-empty block (same shapes as :meth:`forward`)."""
+
+    @abc.abstractmethod
+    def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The op's backward on a non-empty block, ``lse`` contiguous."""

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .base import check_block_shapes, empty_block_result
+from .base import FusedKernel
 
 _NOT_INSTALLED = "flash-attn is not installed: pip install 'ring-sp[flash]' on a CUDA machine"
 
@@ -135,35 +135,15 @@ def _backward(
     return dq, dk, dv
 
 
-class FlashAttnKernel:
+class FlashAttnKernel(FusedKernel):
     """flash-attn 2 (or 3 on Hopper) forward/backward with global-statistics backward."""
 
     name = "flash_attn"
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[b, sq, h, d]``, k/v ``[b, sk, h_kv, d]`` -> out ``[b, sq, h, d]``, lse ``[b, h, sq]`` fp32."""
-        check_block_shapes(q, k, v, causal)
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return empty_block_result(q)
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         return _forward(_module(), q, k, v, causal, scale)
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients given the GLOBAL out ``[b, sq, h, d]`` and lse ``[b, h, sq]``:
-        dq ``[b, sq, h, d]``, dk/dv ``[b, sk, h_kv, d]`` in the inputs' dtype."""
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        # the kernels index lse as a dense [b, h, sq] buffer
-        return _backward(_module(), dout, q, k, v, out, lse.contiguous(), causal, scale)
+    def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(_module(), dout, q, k, v, out, lse, causal, scale)

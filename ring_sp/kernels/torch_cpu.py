@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import check_block_shapes, empty_block_result
+from .base import FusedKernel
 
 _aten = torch.ops.aten
 
@@ -28,37 +28,21 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
-class TorchCPUKernel:
+class TorchCPUKernel(FusedKernel):
     """Fused CPU flash attention (fp64, fp32; bf16/fp16 computed in fp32)."""
 
     name = "torch"
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        check_block_shapes(q, k, v, causal)
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return empty_block_result(q)  # the op dies with SIGFPE on empty sequences
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
         )
         return out.transpose(1, 2), lse
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous(), 0.0, causal, scale=scale
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, causal, scale=scale
         )
         return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

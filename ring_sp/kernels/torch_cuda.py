@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .base import check_block_shapes, empty_block_result
+from .base import FusedKernel
 
 _aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -100,18 +100,13 @@ def _sum_groups(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return dx.unflatten(2, (kv_heads, -1)).sum(3, dtype=torch.float32).to(dx.dtype)
 
 
-class TorchCUDAKernel:
+class TorchCUDAKernel(FusedKernel):
     """Fused CUDA attention: the flash op where it can run, else the memory-efficient op."""
 
     name = "torch"
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[b, sq, h, d]``, k/v ``[b, sk, h_kv, d]`` -> out ``[b, sq, h, d]``, lse ``[b, h, sq]`` fp32."""
-        check_block_shapes(q, k, v, causal)
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return empty_block_result(q)  # the kernels do not launch on empty sequences
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         if _use_flash(q):
             out, lse = _aten._scaled_dot_product_flash_attention(
                 _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale
@@ -123,23 +118,8 @@ class TorchCUDAKernel:
         )[:2]
         return _bhsd(out), lse[:, :, : q.shape[1]]  # drop the kAlignLSE padding
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients given the GLOBAL out ``[b, sq, h, d]`` and lse ``[b, h, sq]``:
-        dq ``[b, sq, h, d]``, dk/dv ``[b, sk, h_kv, d]`` in the inputs' dtype."""
-        if q.shape[1] == 0 or k.shape[1] == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        lse = lse.contiguous()  # the kernels index lse as a dense [b, h, sq] buffer
+    def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         seed, offset = _no_dropout_rng()
         if _use_flash(q):
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(

@@ -1,15 +1,19 @@
 # Two commands do everything on a fresh machine (see README.md):
-#   make demo   set up .venv, then run the main job
+#   make demo   set up .venv, then run the main job: a small real GPT pretraining run with
+#               ring x Ulysses (U2 x R2) on 4 CPU ranks through DeepSpeed
 #   make test   set up .venv, then run the whole test suite (what CI runs)
 PYTHON ?= python3
 VENV ?= .venv
 # torch is installed FIRST and alone: any later package that asks for "torch" then finds it
 # and pip fetches no other build (a CPU machine would otherwise download GBs of CUDA wheels).
 TORCH_SPEC ?= torch==2.13.0
+# The framework versions the integrations' tests were verified against (their sdists build
+# against the installed torch, hence --no-build-isolation).
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.ring_sp_installed
 
-.PHONY: demo test setup clean
+.PHONY: demo quickstart test setup clean
 
 setup: $(STAMP)
 
@@ -17,10 +21,14 @@ $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet --no-build-isolation "$(DEEPSPEED_SPEC)"
 	$(PIP) install --quiet --no-build-isolation -e ".[test]"
 	touch $@
 
 demo: $(STAMP)
+	PYTHON=$(VENV)/bin/python examples/deepspeed/pretrain_gpt.sh --cpu
+
+quickstart: $(STAMP)
 	$(VENV)/bin/python examples/quickstart.py
 
 test: $(STAMP)

@@ -220,6 +220,19 @@ def gather_sequence(
     return _GatherSequence.apply(x, group, layout, dim, layout_ranks, as_boundaries(cu_seqlens))
 
 
+def check_grid_layout(layout: str, ulysses_size: int, ring_size: int) -> None:
+    """The one layout that cannot feed a true ``U x R`` grid: after the all-to-all, a striped
+    shard over ``U*R`` ranks is not a striped shard over ``R`` (the tokens are striped in
+    groups of U). Pure, so configs can check it before any data exists."""
+    if layout == "striped" and ulysses_size > 1 and ring_size > 1:
+        raise ValueError(
+            f"layout={layout!r} cannot be combined with ulysses_size={ulysses_size} and "
+            f"ring_size={ring_size}: after the Ulysses all-to-all a ring rank does not hold a "
+            f"{layout!r} shard of the ring. Use layout='zigzag' or 'contiguous' (or ring_size=1 "
+            f"or ulysses_size=1)."
+        )
+
+
 def ulysses_to_ring_order(layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int,
                           cu_seqlens: Boundaries | None = None) -> torch.Tensor | None:
     """Reorder that turns the Ulysses all-to-all output into the ring's layout.
@@ -231,6 +244,7 @@ def ulysses_to_ring_order(layout: str, ulysses_size: int, ring_size: int, seq_le
     (``contiguous``, or U == 1). Raises ``ValueError`` when the gathered tokens are not a
     ring layout shard at all (``striped`` with U > 1 and R > 1).
     """
+    check_grid_layout(layout, ulysses_size, ring_size)
     sp_size = ulysses_size * ring_size
     members = slice(ring_rank * ulysses_size, (ring_rank + 1) * ulysses_size)
     gathered = layout_positions(layout, sp_size, seq_len, cu_seqlens)[members].reshape(-1)
@@ -240,13 +254,8 @@ def ulysses_to_ring_order(layout: str, ulysses_size: int, ring_size: int, seq_le
     where = torch.full((seq_len,), -1, dtype=torch.long)
     where[gathered] = torch.arange(gathered.numel())
     index = where[target]
-    if (index < 0).any():
-        raise ValueError(
-            f"layout={layout!r} cannot be combined with ulysses_size={ulysses_size} and "
-            f"ring_size={ring_size}: after the Ulysses all-to-all a ring rank does not hold a "
-            f"{layout!r} shard of the ring. Use layout='zigzag' or 'contiguous' (or ring_size=1 "
-            f"or ulysses_size=1)."
-        )
+    if (index < 0).any():  # every layout but striped (refused above) is closed under the all-to-all
+        raise AssertionError(f"layout={layout!r}: the Ulysses reorder is not a permutation (a ring_sp bug)")
     return index
 
 

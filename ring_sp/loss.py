@@ -6,9 +6,16 @@ with zero valid tokens contributes 0 and yields no NaN.
 
 Gradient convention: each SP rank back-propagates through the attention of every other
 rank, so the parameter gradient of the global loss is the SUM of the SP ranks' gradients.
-DeepSpeed and Megatron instead AVERAGE gradients over the data-parallel x SP ranks; with
-``gradients_averaged_over_sp=True`` (the default) the backward is scaled by the SP size to
-cancel that average, exactly as Megatron scales its loss by the context-parallel size.
+Frameworks differ in what they do over the SP ranks, so say which with
+``gradients_averaged_over_sp``:
+
+* ``True`` when the gradient reduction AVERAGES over the DP x SP ranks (Megatron DDP over
+  its data-parallel-with-context-parallel group; DeepSpeed ZeRO-3): the backward is scaled
+  by the SP size to cancel that average, as Megatron scales its loss by the CP size;
+* ``False`` when it SUMS over the SP ranks (DeepSpeed ZeRO 0/1/2 divide by DP only; a
+  plain ``all_reduce(SUM)``).
+
+The integrations pick it for you (``ring_sp.integrations.deepspeed.cross_entropy``).
 """
 
 from __future__ import annotations

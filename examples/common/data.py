@@ -70,3 +70,24 @@ class TokenBatches:
         starts = torch.randint(0, len(self.tokens) - self.seq_len - 1, (self.batch_size * dp_size,), generator=g)
         mine = starts[dp_rank * self.batch_size:(dp_rank + 1) * self.batch_size]
         return torch.stack([self.tokens[s:s + self.seq_len] for s in mine.tolist()])
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Non-overlapping windows of ``seq_len`` tokens of a stream, as a map-style dataset.
+
+    ``dataset[i]`` is the LongTensor ``tokens[i * seq_len:(i + 1) * seq_len]`` (``[seq_len]``),
+    for samplers and ``DataLoader``s; labels are the same tokens, shifted by the collator.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int) -> None:
+        if len(tokens) < seq_len:
+            raise ValueError(f"the stream has {len(tokens)} tokens; seq_len={seq_len} needs at least that many")
+        self.tokens, self.seq_len = tokens, seq_len
+
+    def __len__(self) -> int:
+        return len(self.tokens) // self.seq_len
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows")
+        return self.tokens[index * self.seq_len:(index + 1) * self.seq_len]

@@ -1,0 +1,307 @@
+"""Pretrain a compact GPT with DeepSpeed and ring_sp sequence parallelism.
+
+nanoGPT-style model (token embedding, pre-norm blocks, GQA attention with RoPE, GELU MLP,
+tied head) whose core attention is ``ring_sp.SequenceParallelAttention``: every rank of a
+``U x R`` sequence-parallel group holds 1/(U*R) of each sequence (zigzag layout), RoPE
+uses the GLOBAL positions of its tokens, and the loss is the exact full-sequence loss.
+The ``"ring_sp"`` section of the DeepSpeed config (``ds_config.json``) switches it on.
+Data: Python's own stdlib docstrings as bytes (no download). Run it with the launcher,
+``examples/deepspeed/pretrain_gpt.sh [--cpu]``, or e.g.::
+
+    DS_ACCELERATOR=cpu deepspeed --quiet --num_gpus 4 examples/deepspeed/pretrain_gpt.py --log-json
+    deepspeed --num_gpus 8 examples/deepspeed/pretrain_gpt.py --ulysses-size 2 --ring-size 4 --bf16
+
+Prints a progress bar (loss, tokens/s) on stderr and, with ``--log-json``, one JSON object
+per step on stdout. ``--save DIR`` / ``--load DIR`` use DeepSpeed checkpoints, which do
+not depend on ``U x R`` (the attention has no parameters): resume under another grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for examples.common
+
+import ring_sp  # noqa: E402
+import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
+from examples.common.data import VOCAB_SIZE, TokenWindows, corpus_tokens, split_corpus  # noqa: E402
+from examples.common.progress import Progress  # noqa: E402
+
+DEFAULT_CONFIG = Path(__file__).resolve().with_name("ds_config.json")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = VOCAB_SIZE
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 2  # < n_head: grouped-query attention; == n_head: multi-head
+    mlp_ratio: int = 4
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[b, n, 1, head_dim / 2]`` (fp32) for positions ``[b, n]``: must be GLOBAL positions."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    angles = position_ids.float()[..., None] * inv_freq
+    return angles.cos()[:, :, None], angles.sin()[:, :, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[b, n, h, d]`` by the angles of ``rope_tables`` (rotate-half form)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """q/k/v projections, RoPE, core attention over the sequence-parallel grid, output projection."""
+
+    def __init__(self, cfg: GPTConfig, core: nn.Module | None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.core = core  # None: plain causal attention on a full sequence (no SP)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(b, n, self.cfg.n_head, self.cfg.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(b, n, self.cfg.n_kv_head, self.cfg.head_dim), cos, sin)
+        v = self.v_proj(x).view(b, n, self.cfg.n_kv_head, self.cfg.head_dim)
+        if self.core is not None:
+            y = self.core(q, k, v)  # [b, n, h, d], exact over the whole sequence
+        else:
+            y = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            ).transpose(1, 2)
+        return self.o_proj(y.reshape(b, n, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, core: nn.Module | None) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = Attention(cfg, core)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model), nn.GELU(), nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cos, sin)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """``forward(input_ids, position_ids) -> logits``: ``[b, n]`` shard -> ``[b, n, vocab]``.
+
+    With ``topology`` the attention is ``SequenceParallelAttention(topology, causal=True)``
+    and the inputs are this rank's shard (``position_ids`` global); without, a plain model.
+    """
+
+    def __init__(self, cfg: GPTConfig, topology: ring_sp.SequenceParallelTopology | None = None,
+                 *, layout: str = "zigzag", backend: str = "auto") -> None:
+        super().__init__()
+        if cfg.d_model % cfg.n_head or cfg.n_head % cfg.n_kv_head or cfg.head_dim % 2:
+            raise ValueError(f"need d_model % n_head == 0, n_head % n_kv_head == 0 and an even head_dim; got {cfg}")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(
+            Block(cfg, None if topology is None else
+                  ring_sp.SequenceParallelAttention(topology, causal=True, layout=layout, backend=backend))
+            for _ in range(cfg.n_layer)
+        )
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied
+        self.apply(self._init_weights)
+        for block in self.blocks:  # GPT-2: scale the residual projections by depth
+            for proj in (block.attn.o_proj, block.mlp[2]):
+                nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_tables(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.wte(input_ids)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.lm_head(self.ln_f(x))
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, engine: Any) -> torch.Tensor:
+    """Mean next-token cross entropy of the full sample(s); labels already shifted.
+
+    Under ring_sp the loss is reduced over the SP group with the gradient convention of
+    ``engine``'s ZeRO stage; ``engine=None`` (or no ring_sp section): plain PyTorch.
+    """
+    if getattr(engine, "ring_sp_topology", None) is None:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    return rsp_ds.cross_entropy(logits, labels, engine)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed_config", "--deepspeed-config", default=str(DEFAULT_CONFIG), help="DeepSpeed JSON config")
+    p.add_argument("--ulysses-size", type=int, help="override ring_sp.ulysses_size of the config")
+    p.add_argument("--ring-size", type=int, help="override ring_sp.ring_size of the config")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
+    p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu (samples per SP group)")
+    p.add_argument("--bf16", action="store_true", help="train in bf16 (GPUs)")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay to 10%%")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-bytes", type=int, default=1_000_000)
+    p.add_argument("--save", metavar="DIR", help="save a DeepSpeed checkpoint here every --save-interval steps and at the end")
+    p.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
+    p.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR")
+    p.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
+    return p.parse_args(argv)
+
+
+def ds_config_from_args(args: argparse.Namespace) -> dict:
+    """The JSON config with the command line's overrides applied."""
+    config = rsp_ds.load_config(args.deepspeed_config)
+    section = config.setdefault(rsp_ds.SECTION, {})
+    for key in ("ulysses_size", "ring_size"):
+        if getattr(args, key) is not None:
+            section[key] = getattr(args, key)
+    if args.zero_stage is not None:
+        config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    if args.micro_batch is not None:
+        config["train_micro_batch_size_per_gpu"] = args.micro_batch
+        config.pop("train_batch_size", None)  # let DeepSpeed derive it from the data-parallel size
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def endless_batches(loader: torch.utils.data.DataLoader, skip: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The loader's batches epoch after epoch (reshuffled per epoch), after skipping ``skip`` of them."""
+    for epoch in itertools.count(skip // len(loader)):
+        loader.sampler.set_epoch(epoch)
+        batches = iter(loader)
+        if epoch == skip // len(loader):
+            batches = itertools.islice(batches, skip % len(loader), None)
+        yield from batches
+
+
+def skip_cpu_inference_comm_build() -> None:
+    """Keep DeepSpeed's CPU backend from JIT-compiling its shared-memory all-reduce.
+
+    That op serves only ``inference_all_reduce`` (training collectives go through gloo), yet
+    DeepSpeed builds it with g++ when the backend starts: about a minute on a small machine,
+    and an error without a compiler. Marking it unavailable is what DeepSpeed does itself
+    on platforms that cannot build it.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% at ``total``."""
+    progress = min(1.0, step / max(1, total))
+    return min(1.0, (step + 1) / max(1, warmup)) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    skip_cpu_inference_comm_build()
+    # DeepSpeed's ZeRO still calls the all-gather torch 2.13 deprecated: one warning per rank, not ours to fix
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
+    if args.log_json:  # stdout carries only the JSON lines
+        for handler in deepspeed.utils.logger.handlers:
+            handler.setStream(sys.stderr)
+    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.manual_seed(args.seed)
+
+    ds_config = ds_config_from_args(args)
+    sp_config = rsp_ds.RingSPConfig.from_ds_config(ds_config)  # None only with "enabled": false
+    topology = rsp_ds.build_topology(ds_config)  # before the model: its attention needs the groups
+    if topology is None:
+        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    layout = "zigzag" if sp_config is None else sp_config.layout
+    cfg = GPTConfig(d_model=args.d_model, n_layer=args.layers, n_head=args.heads, n_kv_head=args.kv_heads)
+    model = GPT(cfg, topology, layout=layout, backend="auto" if sp_config is None else sp_config.backend)
+    n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args.warmup, args.steps))
+    engine, _, _, _ = rsp_ds.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+
+    start_step = 0
+    if args.load:
+        path, client_state = engine.load_checkpoint(args.load)
+        if path is None:
+            raise FileNotFoundError(f"--load {args.load}: no DeepSpeed checkpoint found (no 'latest' file)")
+        start_step = client_state["step"]
+
+    dp_group = None if topology is None else topology.dp_group
+    dp_size = dist.get_world_size(dp_group)
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    samples_per_step = micro * accum * dp_size
+    train_tokens, _ = split_corpus(corpus_tokens(args.corpus_bytes))
+    loader = rsp_ds.sequence_parallel_dataloader(
+        TokenWindows(train_tokens, args.seq_len), topology, batch_size=micro, layout=layout, seed=args.seed
+    )
+    batches = endless_batches(loader, skip=start_step * accum)  # a resumed run continues the data order
+    if dist.get_rank() == 0:
+        grid = "1" if topology is None else f"{topology.ulysses_size}x{topology.ring_size}"
+        print(f"GPT {n_params / 1e6:.2f}M parameters; {samples_per_step} x {args.seq_len} tokens per step; "
+              f"world {dist.get_world_size()} = DP {dp_size} x SP {grid} (ulysses x ring), ZeRO-"
+              f"{engine.zero_optimization_stage()}", file=sys.stderr)
+    progress = Progress(args.steps, log_json=args.log_json, enabled=dist.get_rank() == 0, start_step=start_step)
+    for step in range(start_step + 1, args.steps + 1):
+        total = torch.zeros((), device=engine.device)
+        for _ in range(accum):
+            batch = {k: v.to(engine.device) for k, v in next(batches).items()}
+            loss = loss_fn(engine(batch["input_ids"], batch["position_ids"]), batch["labels"], engine)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total, group=dp_group)  # equal on the SP ranks of a replica: average the replicas
+        progress.step(step, total.item() / (accum * dp_size), tokens=samples_per_step * args.seq_len)
+        if args.save and (step == args.steps or (args.save_interval and step % args.save_interval == 0)):
+            engine.save_checkpoint(args.save, client_state={"step": step})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""DeepSpeed integration: a ``"ring_sp"`` section in the DeepSpeed config turns ring x Ulysses
+sequence parallelism on.
+
+    import ring_sp.integrations.deepspeed as rsp_ds
+
+    topology = rsp_ds.build_topology(ds_config)           # before the model: its attention needs it
+    model = MyModel(attention=ring_sp.SequenceParallelAttention(topology, causal=True))
+    engine, optimizer, _, _ = rsp_ds.initialize(model=model, optimizer=opt, config=ds_config)
+    loader = rsp_ds.sequence_parallel_dataloader(dataset, topology, batch_size=micro_batch)
+    loss = rsp_ds.cross_entropy(engine(batch["input_ids"], batch["position_ids"]), batch["labels"], engine)
+
+Importing this package imports neither DeepSpeed nor anything that communicates; the
+config part (:class:`RingSPConfig`) works without DeepSpeed installed.
+"""
+
+from .config import SECTION, RingSPConfig
+from .data import ShardingCollator, sequence_parallel_dataloader, sequence_parallel_sampler
+from .engine import build_topology, initialize, load_config
+from .loss import cross_entropy, gradients_averaged_over_sp
+from .mpu import SequenceParallelMPU
+
+__all__ = [
+    "RingSPConfig",
+    "SECTION",
+    "SequenceParallelMPU",
+    "ShardingCollator",
+    "build_topology",
+    "cross_entropy",
+    "gradients_averaged_over_sp",
+    "initialize",
+    "load_config",
+    "sequence_parallel_dataloader",
+    "sequence_parallel_sampler",
+]

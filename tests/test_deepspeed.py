@@ -122,23 +122,24 @@ def _global_batch(step: int, samples: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (samples, SEQ), generator=g)
 
 
-def _ds_config(stage: int, u: int, r: int, micro: int, clip: float) -> dict:
+def _ds_config(stage: int, u: int, r: int, micro: int, clip: float, layout: str = "zigzag") -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
         "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9, "ring_sp": {"ulysses_size": u, "ring_size": r},
+        "steps_per_print": 10**9, "ring_sp": {"ulysses_size": u, "ring_size": r, "layout": layout},
     }
 
 
-def _engine(stage: int, u: int, r: int, micro: int, *, seed: int = 0, adam: bool = False, clip: float = CLIP):
+def _engine(stage: int, u: int, r: int, micro: int, *, seed: int = 0, adam: bool = False, clip: float = CLIP,
+            layout: str = "zigzag"):
     """A DeepSpeed engine over the example GPT with the ring_sp section (U x R)."""
     import ring_sp.integrations.deepspeed as rsp_ds
 
     ex = _example()
-    config = _ds_config(stage, u, r, micro, clip)
+    config = _ds_config(stage, u, r, micro, clip, layout)
     topology = rsp_ds.build_topology(config)
     torch.manual_seed(seed)
-    model = ex.GPT(ex.GPTConfig(**MODEL), topology)
+    model = ex.GPT(ex.GPTConfig(**MODEL), topology, layout=layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2) if adam else torch.optim.SGD(model.parameters(), lr=0.5)
     engine, *_ = rsp_ds.initialize(model=model, optimizer=optimizer, config=config)
     return engine
@@ -208,6 +209,40 @@ def equivalence_case(stage: int, u: int, r: int, micro: int) -> dict[str, Any]:
         "zero_ranks": dist.get_process_group_ranks(engine.seq_data_parallel_group),
         "mp_ranks": dist.get_process_group_ranks(mpu.get_model_parallel_group()),
     }
+
+
+def _packed_samples(count: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` rows of SEQ tokens of packed documents: length-1 documents, documents
+    crossing every shard and row boundary (the same on every rank)."""
+    g = torch.Generator().manual_seed(7)
+    lengths = [1, 1, 3, 29, 17, 1, 40, 5, 2, 9]  # rows of 32 tokens cut documents 4 and 7: 8 pieces in 2 rows
+    documents = [torch.randint(0, VOCAB, (n,), generator=g) for n in lengths]
+    packed = _example().PackedDocuments(documents, SEQ)
+    return [packed[i] for i in range(count)]
+
+
+def packed_case(layout: str, u: int, r: int) -> dict[str, Any]:
+    """One step on two packed rows (one micro-batch = one packed row of 64 tokens) under
+    U x R vs the plain model attending inside each document of the full row."""
+    import ring_sp.integrations.deepspeed as rsp_ds
+    from deepspeed.utils import safe_get_full_grad
+
+    _prepare_rank()
+    engine = _engine(1, u, r, 2, layout=layout)
+    ex, topo = _example(), engine.ring_sp_topology
+    samples = _packed_samples(2)
+    shard = rsp_ds.PackingCollator(topo, layout=layout)(samples)
+    loss = ex.loss_fn(engine(shard["input_ids"], shard["position_ids"], shard["cu_seqlens"]), shard["labels"], engine)
+    engine.backward(loss)
+    grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
+
+    torch.manual_seed(0)
+    model = ex.GPT(ex.GPTConfig(**MODEL), None)
+    full = rsp_ds.PackingCollator(None, layout=layout)(samples)  # the same padding, unsharded
+    ref = ex.loss_fn(model(full["input_ids"], full["position_ids"], full["cu_seqlens"]), full["labels"], None)
+    ref.backward()
+    return {"loss": (loss.item(), ref.item()), "documents": len(full["cu_seqlens"]) - 1,
+            "grad_rel_error": _max_rel_error(grads, {n: p.grad for n, p in model.named_parameters()})}
 
 
 def checkpoint_case(directory: str) -> dict[str, Any]:
@@ -339,6 +374,18 @@ def test_dp2_x_sp2_equals_full_sequence(pools, stage: int, u: int, r: int) -> No
         assert res["grad_rel_error"] < 1e-5, res["grad_rel_error"]
         for loss, ref in zip(res["losses"], res["ref_losses"]):
             assert abs(loss - ref) <= 1e-5 * abs(ref), (res["losses"], res["ref_losses"])
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("layout,u,r", [("document_zigzag", 2, 2), ("zigzag", 1, 4), ("striped", 4, 1)])
+def test_packed_documents_equal_per_document_attention(pools, layout: str, u: int, r: int) -> None:
+    """Issue 8: the packed data pipeline (cu_seqlens, in-document labels and positions)
+    trains exactly like one rank attending inside each document of the full row."""
+    _example()  # the rank functions import it by module name
+    for res in pools.get(4, env=DS_ENV).run(packed_case, layout, u, r, timeout=240):
+        loss, ref = res["loss"]
+        assert res["documents"] == 8 and abs(loss - ref) <= 1e-5 * abs(ref), res
+        assert res["grad_rel_error"] < 1e-5, res
 
 
 @needs_deepspeed

@@ -20,6 +20,12 @@ VOCAB_SIZE = 256  # byte-level: token id = UTF-8 byte
 @functools.lru_cache(maxsize=1)
 def load_corpus(max_bytes: int = 4_000_000) -> bytes:
     """Docstrings of the stdlib's modules, classes and functions, joined by blank lines."""
+    return b"".join(_docstrings(max_bytes))[:max_bytes]
+
+
+@functools.lru_cache(maxsize=1)
+def _docstrings(max_bytes: int) -> tuple[bytes, ...]:
+    """The corpus's documents (one docstring each, ending in a blank line), in file order."""
     stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
     pieces, size = [], 0
     for path in sorted(stdlib.glob("*.py")) + sorted(stdlib.glob("*/*.py")):
@@ -38,7 +44,12 @@ def load_corpus(max_bytes: int = 4_000_000) -> bytes:
                     size += len(piece)
         if size >= max_bytes:
             break
-    return b"".join(pieces)[:max_bytes]
+    return tuple(pieces)
+
+
+def corpus_documents(max_bytes: int = 4_000_000) -> list[torch.Tensor]:
+    """The corpus as documents (one docstring each) of byte ids, for packed training."""
+    return [torch.frombuffer(bytearray(doc), dtype=torch.uint8).long() for doc in _docstrings(max_bytes)]
 
 
 def corpus_tokens(max_bytes: int = 4_000_000) -> torch.Tensor:
@@ -91,3 +102,31 @@ class TokenWindows(torch.utils.data.Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"window {index} out of range for {len(self)} windows")
         return self.tokens[index * self.seq_len:(index + 1) * self.seq_len]
+
+
+class PackedDocuments(torch.utils.data.Dataset):
+    """Documents packed end to end into windows of exactly ``seq_len`` tokens.
+
+    ``dataset[i]`` is ``{"input_ids": [seq_len], "cu_seqlens": [k + 1]}``: the window and
+    the boundaries of the ``k`` documents (or document pieces) in it, from 0 to
+    ``seq_len``. A document that does not fit continues, as its own piece, in the next
+    window, so no token is dropped and windows need no padding.
+    """
+
+    def __init__(self, documents: list[torch.Tensor], seq_len: int) -> None:
+        stream = torch.cat(documents)
+        if len(stream) < seq_len:
+            raise ValueError(f"the documents hold {len(stream)} tokens; seq_len={seq_len} needs at least that many")
+        ends = torch.tensor([len(d) for d in documents]).cumsum(0)
+        self.stream, self.seq_len, self.doc_ends = stream, seq_len, ends
+
+    def __len__(self) -> int:
+        return len(self.stream) // self.seq_len
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"window {index} out of range for {len(self)} windows")
+        start, stop = index * self.seq_len, (index + 1) * self.seq_len
+        inner = self.doc_ends[(self.doc_ends > start) & (self.doc_ends < stop)] - start
+        cu = torch.cat([torch.zeros(1, dtype=torch.long), inner, torch.tensor([self.seq_len])])
+        return {"input_ids": self.stream[start:stop], "cu_seqlens": cu}

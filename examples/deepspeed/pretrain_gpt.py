@@ -11,6 +11,10 @@ Data: Python's own stdlib docstrings as bytes (no download). Run it with the lau
     DS_ACCELERATOR=cpu deepspeed --quiet --num_gpus 4 examples/deepspeed/pretrain_gpt.py --log-json
     deepspeed --num_gpus 8 examples/deepspeed/pretrain_gpt.py --ulysses-size 2 --ring-size 4 --bf16
 
+``--pack-documents`` trains on whole documents packed into each row instead of windows
+of the text stream: attention stays inside each document (``cu_seqlens``), positions
+restart per document, and ``--layout document_zigzag`` keeps every rank's work equal.
+
 Prints a progress bar (loss, tokens/s) on stderr and, with ``--log-json``, one JSON object
 per step on stdout. ``--save DIR`` / ``--load DIR`` use DeepSpeed checkpoints, which do
 not depend on ``U x R`` (the attention has no parameters): resume under another grid.
@@ -38,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 
 import ring_sp  # noqa: E402
 import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
-from examples.common.data import VOCAB_SIZE, TokenWindows, corpus_tokens, split_corpus  # noqa: E402
+from examples.common.data import (VOCAB_SIZE, PackedDocuments, TokenWindows, corpus_documents,  # noqa: E402
+                                  corpus_tokens, split_corpus)
 from examples.common.progress import Progress  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("ds_config.json")
@@ -84,18 +89,30 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         self.core = core  # None: plain causal attention on a full sequence (no SP)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         q = apply_rope(self.q_proj(x).view(b, n, self.cfg.n_head, self.cfg.head_dim), cos, sin)
         k = apply_rope(self.k_proj(x).view(b, n, self.cfg.n_kv_head, self.cfg.head_dim), cos, sin)
         v = self.v_proj(x).view(b, n, self.cfg.n_kv_head, self.cfg.head_dim)
         if self.core is not None:
-            y = self.core(q, k, v)  # [b, n, h, d], exact over the whole sequence
+            y = self.core(q, k, v, cu_seqlens)  # [b, n, h, d], exact over the whole sequence
         else:
-            y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-            ).transpose(1, 2)
+            y = torch.cat([causal_attention(q[:, doc], k[:, doc], v[:, doc]) for doc in _documents(n, cu_seqlens)], dim=1)
         return self.o_proj(y.reshape(b, n, -1))
+
+
+def _documents(n: int, cu_seqlens: torch.Tensor | None) -> list[slice]:
+    """Each document's slice of an unsharded row (the whole row without ``cu_seqlens``)."""
+    bounds = [0, n] if cu_seqlens is None else cu_seqlens.tolist()
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """PyTorch's own causal attention on one unsharded ``[b, n, h, d]`` sequence (no SP)."""
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
 
 
 class Block(nn.Module):
@@ -108,8 +125,9 @@ class Block(nn.Module):
             nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model), nn.GELU(), nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cos, sin, cu_seqlens)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -147,11 +165,13 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """``cu_seqlens``: boundaries of packed documents in the global row (attention stays inside)."""
         cos, sin = rope_tables(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.wte(input_ids)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, cu_seqlens)
         return self.lm_head(self.ln_f(x))
 
 
@@ -172,6 +192,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ulysses-size", type=int, help="override ring_sp.ulysses_size of the config")
     p.add_argument("--ring-size", type=int, help="override ring_sp.ring_size of the config")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
+    p.add_argument("--layout", choices=list(ring_sp.LAYOUTS), help="override ring_sp.layout of the config")
+    p.add_argument("--pack-documents", action="store_true",
+                   help="pack whole documents per row, attention inside each (use with --layout document_zigzag)")
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu (samples per SP group)")
     p.add_argument("--bf16", action="store_true", help="train in bf16 (GPUs)")
     p.add_argument("--steps", type=int, default=40)
@@ -196,7 +219,7 @@ def ds_config_from_args(args: argparse.Namespace) -> dict:
     """The JSON config with the command line's overrides applied."""
     config = rsp_ds.load_config(args.deepspeed_config)
     section = config.setdefault(rsp_ds.SECTION, {})
-    for key in ("ulysses_size", "ring_size"):
+    for key in ("ulysses_size", "ring_size", "layout"):
         if getattr(args, key) is not None:
             section[key] = getattr(args, key)
     if args.zero_stage is not None:
@@ -278,22 +301,28 @@ def main(argv: list[str] | None = None) -> None:
     dp_size = dist.get_world_size(dp_group)
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     samples_per_step = micro * accum * dp_size
-    train_tokens, _ = split_corpus(corpus_tokens(args.corpus_bytes))
+    if args.pack_documents:
+        documents = corpus_documents(args.corpus_bytes)
+        dataset = PackedDocuments(documents[: int(len(documents) * 0.95)], args.seq_len)  # the rest held out
+    else:
+        dataset = TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len)
     loader = rsp_ds.sequence_parallel_dataloader(
-        TokenWindows(train_tokens, args.seq_len), topology, batch_size=micro, layout=layout, seed=args.seed
+        dataset, topology, batch_size=micro, layout=layout, seed=args.seed, pack=args.pack_documents
     )
     batches = endless_batches(loader, skip=start_step * accum)  # a resumed run continues the data order
     if dist.get_rank() == 0:
         grid = "1" if topology is None else f"{topology.ulysses_size}x{topology.ring_size}"
         print(f"GPT {n_params / 1e6:.2f}M parameters; {samples_per_step} x {args.seq_len} tokens per step; "
               f"world {dist.get_world_size()} = DP {dp_size} x SP {grid} (ulysses x ring), ZeRO-"
-              f"{engine.zero_optimization_stage()}", file=sys.stderr)
+              f"{engine.zero_optimization_stage()}, layout {layout}{', packed documents' if args.pack_documents else ''}",
+              file=sys.stderr)
     progress = Progress(args.steps, log_json=args.log_json, enabled=dist.get_rank() == 0, start_step=start_step)
     for step in range(start_step + 1, args.steps + 1):
         total = torch.zeros((), device=engine.device)
         for _ in range(accum):
             batch = {k: v.to(engine.device) for k, v in next(batches).items()}
-            loss = loss_fn(engine(batch["input_ids"], batch["position_ids"]), batch["labels"], engine)
+            logits = engine(batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens"))
+            loss = loss_fn(logits, batch["labels"], engine)
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()

@@ -14,12 +14,13 @@ config part (:class:`RingSPConfig`) works without DeepSpeed installed.
 """
 
 from .config import SECTION, RingSPConfig
-from .data import ShardingCollator, sequence_parallel_dataloader, sequence_parallel_sampler
+from .data import PackingCollator, ShardingCollator, sequence_parallel_dataloader, sequence_parallel_sampler
 from .engine import build_topology, initialize, load_config
 from .loss import cross_entropy, gradients_averaged_over_sp
 from .mpu import SequenceParallelMPU
 
 __all__ = [
+    "PackingCollator",
     "RingSPConfig",
     "SECTION",
     "SequenceParallelMPU",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torch.utils.data import default_collate
 
-from ring_sp import SequenceParallelTopology, shard_batch
+from ring_sp import SequenceParallelTopology, pad_documents, shard_batch
 
 
 def sequence_parallel_sampler(
@@ -70,6 +70,45 @@ class ShardingCollator:
         return self.topology.shard_batch(batch, layout=self.layout, shift=self.shift)
 
 
+class PackingCollator:
+    """``collate_fn`` for packed documents: the micro-batch becomes ONE packed row (THD).
+
+    A sample is ``{"input_ids": [n], "cu_seqlens": [k + 1]}`` (its documents' boundaries,
+    0 .. n). The samples are concatenated into ``[1, sum n]`` with merged boundaries (our
+    ``cu_seqlens`` describes one row); for ``layout="document_zigzag"`` every document is
+    padded to a multiple of ``2 x sp_size`` (:func:`ring_sp.pad_documents`; padding never
+    enters the loss). The row is sharded for this SP rank with labels shifted inside each
+    document and positions restarting per document. Returns ``input_ids``, ``labels``,
+    ``position_ids`` ``[1, N / sp_size]`` and ``cu_seqlens`` (int32 ``[docs + 1]``, the
+    GLOBAL boundaries, the same on every rank of the SP group) to pass to the attention.
+    """
+
+    def __init__(self, topology: SequenceParallelTopology | None, *, layout: str = "document_zigzag", pad_id: int = 0) -> None:
+        if topology is not None and not isinstance(topology, SequenceParallelTopology):
+            raise TypeError(f"topology must be a ring_sp.SequenceParallelTopology or None; got {type(topology).__name__}")
+        self.topology, self.layout, self.pad_id = topology, layout, pad_id
+
+    def __call__(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        pieces, boundaries = [], [0]
+        for sample in samples:
+            if not isinstance(sample, Mapping) or "cu_seqlens" not in sample:
+                raise TypeError("PackingCollator samples must be mappings with 'input_ids' [n] and 'cu_seqlens' [k + 1]")
+            pieces.append(sample["input_ids"])
+            offset = boundaries[-1]
+            boundaries.extend(offset + int(end) for end in sample["cu_seqlens"].tolist()[1:])
+        batch: dict[str, torch.Tensor] = {"input_ids": torch.cat(pieces).unsqueeze(0)}
+        sp_size = 1 if self.topology is None else self.topology.sp_size
+        cu = tuple(boundaries)
+        if self.layout == "document_zigzag":
+            batch, cu = pad_documents(batch, cu, 2 * sp_size, pad_id=self.pad_id)
+        if self.topology is None:
+            shard = shard_batch(batch, rank=0, world_size=1, layout=self.layout, cu_seqlens=cu)
+        else:
+            shard = self.topology.shard_batch(batch, layout=self.layout, cu_seqlens=cu)
+        shard["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+        return shard
+
+
 def sequence_parallel_dataloader(
     dataset: Dataset,
     topology: SequenceParallelTopology | None,
@@ -79,18 +118,21 @@ def sequence_parallel_dataloader(
     shuffle: bool = True,
     seed: int = 0,
     shift: bool = True,
+    pack: bool = False,
     **loader_kwargs: Any,
 ) -> DataLoader:
     """A ``DataLoader`` of sharded batches: :func:`sequence_parallel_sampler` + :class:`ShardingCollator`.
 
     ``batch_size`` is the micro-batch per SP group (DeepSpeed's
     ``train_micro_batch_size_per_gpu``); each batch holds ``[batch_size, N / sp_size]``
-    tensors. The loader's ``sampler`` attribute is the ``DistributedSampler``
-    (``set_epoch``). Extra keyword arguments go to ``DataLoader`` (``num_workers``, ...).
+    tensors. ``pack=True``: samples carry ``cu_seqlens`` and each micro-batch becomes one
+    packed row (:class:`PackingCollator`, ``shift`` ignored). The loader's ``sampler``
+    attribute is the ``DistributedSampler`` (``set_epoch``). Extra keyword arguments go to
+    ``DataLoader`` (``num_workers``, ...).
     """
     sampler = sequence_parallel_sampler(dataset, topology, shuffle=shuffle, seed=seed)
-    collate = ShardingCollator(topology, layout=layout, shift=shift)
+    collate = PackingCollator(topology, layout=layout) if pack else ShardingCollator(topology, layout=layout, shift=shift)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True, **loader_kwargs)
 
 
-__all__ = ["ShardingCollator", "sequence_parallel_dataloader", "sequence_parallel_sampler"]
+__all__ = ["PackingCollator", "ShardingCollator", "sequence_parallel_dataloader", "sequence_parallel_sampler"]

@@ -10,6 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The framework versions the integrations' tests were verified against (their sdists build
 # against the installed torch, hence --no-build-isolation).
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
+MEGATRON_SPEC ?= megatron-core==0.16.1 einops
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.ring_sp_installed
 
@@ -21,7 +22,7 @@ $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet --no-build-isolation "$(DEEPSPEED_SPEC)"
+	$(PIP) install --quiet --no-build-isolation "$(DEEPSPEED_SPEC)" $(MEGATRON_SPEC)
 	$(PIP) install --quiet --no-build-isolation -e ".[test]"
 	touch $@
 

@@ -34,7 +34,7 @@ setup(
         # flash-attn needs CUDA to build; it is imported lazily and never required.
         "flash": ["flash-attn>=2.1"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],  # the version whose gradient reduction the tests verify
-        "megatron": ["megatron-core>=0.9"],
+        "megatron": ["megatron-core>=0.16,<0.17", "einops"],  # 0.16.1 is what the tests verify
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "numpy"],
         "bench": ["matplotlib>=3.5"],
     },

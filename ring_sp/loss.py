@@ -48,13 +48,14 @@ def sequence_parallel_loss(
     num_tokens: torch.Tensor | int,
     *,
     group: dist.ProcessGroup | None = None,
-    gradients_averaged_over_sp: bool = True,
+    gradients_averaged_over_sp: bool,
 ) -> torch.Tensor:
     """Global mean loss over the SP ``group`` from this rank's summed loss and token count.
 
     ``loss_sum``: 0-d tensor, the sum of this rank's per-token losses; ``num_tokens``: its
     number of valid tokens (may be 0). Returns a 0-d tensor, the same on every SP rank.
-    See the module docstring for the gradient convention.
+    ``gradients_averaged_over_sp`` (required: frameworks differ) is explained in the
+    module docstring.
     """
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.dim() != 0:
         raise ValueError(f"loss_sum must be a 0-d tensor (a sum over tokens); got {loss_sum!r}")
@@ -69,7 +70,7 @@ def sequence_parallel_cross_entropy(
     *,
     group: dist.ProcessGroup | None = None,
     ignore_index: int = IGNORE_INDEX,
-    gradients_averaged_over_sp: bool = True,
+    gradients_averaged_over_sp: bool,
 ) -> torch.Tensor:
     """Token-weighted cross entropy over the SP ``group``.
 

@@ -207,6 +207,11 @@ def init_sequence_parallel(
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup or None; got {type(group).__name__} {group!r}")
     mine = _parent_ranks(group)
+    if dist.get_rank() not in mine:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of the group it passed as group= (ranks {mine}); "
+            f"every rank passes the parent group it belongs to"
+        )
     if group is None:
         parents = [mine]
     else:  # every rank learns every parent, so all create the same groups in the same order

@@ -1,0 +1,58 @@
+"""ring_sp for Megatron: the argument switch, a ``core_attention`` spec, and glue.
+
+* :func:`add_ring_sp_args` / :func:`validate_ring_sp_args`: Megatron-LM's
+  ``extra_args_provider`` and the cross-argument checks (no megatron import).
+* :func:`get_gpt_layer_ring_sp_spec`: megatron-core's local GPT layer spec with
+  :class:`RingSPCoreAttention` as ``core_attention``.
+* ``gpt_layer_ring_sp_spec``: the same spec as an object, built from Megatron-LM's
+  arguments on first access, for ``--spec ring_sp.integrations.megatron gpt_layer_ring_sp_spec``.
+* :func:`topology_from_parallel_state`: the ring_sp topology over Megatron's CP group.
+* :func:`install_layout_rope`, :func:`ddp_buffers_on_cpu`: running on CPU ranks (gloo).
+
+Importing this package does not import megatron and has no side effects: the names that
+need megatron-core load their module on first use (PEP 562 ``__getattr__``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .arguments import add_ring_sp_args, megatron_lm_args, ring_sp_config_from_args, validate_ring_sp_args
+from .config import RingSPConfig
+
+_LAZY = {
+    "RingSPCoreAttention": ".core_attention",
+    "get_gpt_layer_ring_sp_spec": ".spec",
+    "megatron_lm_layer_spec": ".spec",
+    "replace_core_attention": ".spec",
+    "topology_from_parallel_state": ".topology",
+    "LayoutRotaryEmbedding": ".rope",
+    "install_layout_rope": ".rope",
+    "ddp_buffers_on_cpu": ".cpu",
+}
+
+__all__ = [
+    "RingSPConfig",
+    "add_ring_sp_args",
+    "gpt_layer_ring_sp_spec",
+    "megatron_lm_args",
+    "ring_sp_config_from_args",
+    "validate_ring_sp_args",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif name == "gpt_layer_ring_sp_spec":
+        from .spec import megatron_lm_layer_spec
+
+        value = megatron_lm_layer_spec()
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # Megatron's spec_utils.import_module (behind Megatron-LM's --spec) reads
+    # vars(module)[name] right after the from-import that called us: keep the value there.
+    globals()[name] = value
+    return value

@@ -1,0 +1,106 @@
+"""``RingSPConfig``: what the ring_sp core attention needs to know, and its checks.
+
+Megatron-core needs no import here, so argument parsing and validation stay cheap. Every
+error names the Megatron-LM argument (``--ring-sp-ulysses-size``) and the config field
+(``ulysses_size``) together, with the value and the fix (DESIGN.md section 9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ring_sp.kernels import BACKENDS
+from ring_sp.topology import PLACEMENTS
+
+# Layouts of an unpacked [b, s] batch. ring_sp's packed-sequence layout (document_zigzag)
+# would arrive through Megatron's packed_seq_params (THD), which RingSPCoreAttention does
+# not accept yet.
+MEGATRON_LAYOUTS = ("zigzag", "contiguous", "striped")
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` (for error messages that suggest valid sizes)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class RingSPConfig:
+    """ring_sp settings of a Megatron model.
+
+    ``ulysses_size`` is ``U``; the ring size is ``context_parallel_size / U``. ``layout``
+    is how the sequence is split over the context-parallel ranks: ``zigzag`` is what
+    Megatron's ``get_batch_on_this_cp_rank`` and its RoPE slicing produce.
+    """
+
+    ulysses_size: int = 1
+    layout: str = "zigzag"
+    placement: str = "ulysses_inner"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ulysses_size, bool) or not isinstance(self.ulysses_size, int) or self.ulysses_size < 1:
+            raise ValueError(f"--ring-sp-ulysses-size (ulysses_size) must be an int >= 1; got {self.ulysses_size!r}")
+        for flag, field, value, allowed in (
+            ("--ring-sp-layout", "layout", self.layout, MEGATRON_LAYOUTS),
+            ("--ring-sp-placement", "placement", self.placement, PLACEMENTS),
+            ("--ring-sp-backend", "backend", self.backend, BACKENDS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{flag} ({field})={value!r} is not one of {allowed}")
+
+    def ring_size(self, context_parallel_size: int) -> int:
+        """``R = context_parallel_size / U`` (call :meth:`check` first)."""
+        return context_parallel_size // self.ulysses_size
+
+    def check(
+        self,
+        *,
+        context_parallel_size: int,
+        num_attention_heads: int,
+        num_query_groups: int | None,
+        tensor_model_parallel_size: int,
+    ) -> None:
+        """Raise ``ValueError`` unless this config fits the model and its parallel sizes.
+
+        Heads are split by tensor parallelism first, so Ulysses must split the heads of
+        ONE tensor-parallel rank: ``num_attention_heads / TP`` query heads and
+        ``max(1, num_query_groups / TP)`` key/value heads (Megatron's own rule).
+        """
+        u, cp, tp = self.ulysses_size, context_parallel_size, tensor_model_parallel_size
+        if cp % u != 0:
+            raise ValueError(
+                f"--ring-sp-ulysses-size (ulysses_size)={u} must divide --context-parallel-size={cp}: "
+                f"the ring size is context-parallel size / ulysses size. Choose one of {divisors(cp)}."
+            )
+        r = cp // u
+        q_heads = num_attention_heads // tp
+        kv_heads = max(1, (num_query_groups or num_attention_heads) // tp)
+        if q_heads % u != 0:
+            raise ValueError(
+                f"--ring-sp-ulysses-size (ulysses_size)={u} must divide the attention heads of one "
+                f"tensor-parallel rank (--num-attention-heads={num_attention_heads} / "
+                f"--tensor-model-parallel-size={tp} = {q_heads}); choose one of "
+                f"{[d for d in divisors(q_heads) if cp % d == 0]} and let the ring take the rest of "
+                f"--context-parallel-size={cp}."
+            )
+        if kv_heads % u != 0 and u % kv_heads != 0:
+            raise ValueError(
+                f"--ring-sp-ulysses-size (ulysses_size)={u} and the key/value heads of one "
+                f"tensor-parallel rank ({kv_heads}, from --num-query-groups / --tensor-model-parallel-size) "
+                f"must divide one another; choose a ulysses size that divides or is a multiple of {kv_heads}."
+            )
+        if self.layout == "striped" and u > 1 and r > 1:
+            raise ValueError(
+                f"--ring-sp-layout (layout)='striped' cannot be combined with a {u} x {r} ulysses x ring "
+                f"grid; use --ring-sp-layout zigzag, a pure ring (--ring-sp-ulysses-size 1) or pure "
+                f"Ulysses (--ring-sp-ulysses-size {cp}, the --context-parallel-size)."
+            )
+        if self.placement == "ring_inner" and u > 1 and r > 1:
+            raise ValueError(
+                f"--ring-sp-placement (placement)='ring_inner' is not supported with a {u} x {r} "
+                f"ulysses x ring grid under Megatron: Megatron shards each batch (get_batch_on_this_cp_rank) "
+                f"and RoPE by context-parallel rank c, but with ring_inner CP rank c = ulysses_rank * {r} + "
+                f"ring_rank holds ring_sp layout rank ring_rank * {u} + ulysses_rank, a different token "
+                f"shard. Use --ring-sp-placement ulysses_inner (each Ulysses group on {u} neighbouring "
+                f"CP ranks, the fast links) or a pure ring or pure Ulysses grid."
+            )

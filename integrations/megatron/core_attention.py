@@ -1,0 +1,146 @@
+"""``RingSPCoreAttention``: a megatron-core ``core_attention`` submodule running ring_sp.
+
+Megatron's ``SelfAttention`` projects q/k/v (heads already split by tensor parallelism),
+applies RoPE to this CP rank's positions and calls ``core_attention(query, key, value,
+attention_mask, attn_mask_type=..., attention_bias=..., packed_seq_params=...)`` with
+``[s_local, b, heads, head_dim]`` tensors; it expects ``[s_local, b, heads * head_dim]``
+back. Key/value arrive with the (per-TP-rank) query-group count, not expanded: ring_sp
+keeps them that way (only KV heads travel) and expands inside the local kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ring_sp import SequenceParallelTopology, hybrid_attention
+
+from .arguments import megatron_lm_args, ring_sp_config_from_args
+from .config import RingSPConfig
+from .topology import topology_from_parallel_state
+
+
+def _default_config() -> RingSPConfig:
+    args = megatron_lm_args()
+    return ring_sp_config_from_args(args) if args is not None else RingSPConfig()
+
+
+class RingSPCoreAttention(MegatronModule):
+    """Exact causal (or unmasked) attention over Megatron's context-parallel group.
+
+    Built by Megatron from a layer spec with the same arguments as ``DotProductAttention``
+    plus, from the spec's params, an optional ``ring_sp_config`` (default: Megatron-LM's
+    ``--ring-sp-*`` arguments when running under Megatron-LM, else a pure ring) and an
+    optional ``topology`` (default: :func:`topology_from_parallel_state` over
+    ``pg_collection.cp``). Inputs must be sharded in ``ring_sp_config.layout`` by CP rank;
+    zigzag is what ``get_batch_on_this_cp_rank`` produces. No parameters.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        ring_sp_config: Optional[RingSPConfig] = None,
+        topology: Optional[SequenceParallelTopology] = None,
+    ) -> None:
+        super().__init__(config=config)
+        del layer_number, cp_comm_type  # no per-layer state; cp_comm_type picks TransformerEngine's CP algorithm
+        ring_sp_config = ring_sp_config if ring_sp_config is not None else _default_config()
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self._check_supported(config, attention_type, attention_dropout)
+        cp_group = pg_collection.cp
+        ring_sp_config.check(
+            context_parallel_size=cp_group.size(),
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups,
+            tensor_model_parallel_size=pg_collection.tp.size(),
+        )
+        if topology is None:
+            topology = topology_from_parallel_state(
+                ring_sp_config, cp_group=cp_group, hcp_groups=getattr(pg_collection, "hcp", None),
+                dp_group=getattr(pg_collection, "dp", None), dp_cp_group=getattr(pg_collection, "dp_cp", None),
+            )
+        elif topology.sp_size != cp_group.size() or topology.sp_rank != cp_group.rank():
+            raise ValueError(
+                f"topology {topology!r} does not match this rank's context-parallel group "
+                f"(size {cp_group.size()}, rank {cp_group.rank()}): its SP group must be the CP group"
+            )
+        self.attn_mask_type = attn_mask_type
+        self.ring_sp_config = ring_sp_config
+        self.topology = topology
+        # None means 1/sqrt(head_dim), as in DotProductAttention. Its
+        # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
+        # scores back inside the softmax: a no-op here, where softmax statistics are fp32.
+        self.softmax_scale = softmax_scale
+
+    @staticmethod
+    def _check_supported(config: TransformerConfig, attention_type: str, attention_dropout: Optional[float]) -> None:
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(
+                f"attention_dropout={dropout} (--attention-dropout) is not supported by ring_sp attention, "
+                f"which is exact and has no dropout; set it to 0"
+            )
+        if attention_type != "self":
+            raise ValueError(f"attention_type={attention_type!r}: ring_sp supports self-attention only")
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by ring_sp attention; use 'vanilla'")
+        if config.window_size is not None:
+            raise ValueError(f"window_size={config.window_size} (sliding-window attention) is not supported by ring_sp")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
+        """query ``[s, b, h, d]``, key/value ``[s, b, h_kv, d]`` (this CP rank's shard,
+        this TP rank's heads) -> context ``[s, b, h * d]``.
+
+        ``attention_mask`` is ignored for the causal mask type (Megatron's causal mask is
+        what the ring computes, as with TransformerEngine); other masks, attention bias
+        and packed sequences are rejected.
+        """
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences (packed_seq_params, THD format) are not supported by ring_sp yet")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by ring_sp attention")
+        if mask_type == AttnMaskType.causal:
+            causal = True
+        elif mask_type == AttnMaskType.no_mask or (mask_type == AttnMaskType.padding and attention_mask is None):
+            causal = False
+        else:
+            raise ValueError(
+                f"attn_mask_type={mask_type.name} with an explicit mask is not supported by ring_sp attention; "
+                f"use AttnMaskType.causal or AttnMaskType.no_mask"
+            )
+        out = hybrid_attention(
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), topology=self.topology,
+            causal=causal, layout=self.ring_sp_config.layout, softmax_scale=self.softmax_scale,
+            backend=self.ring_sp_config.backend,
+        )
+        s, b = query.shape[0], query.shape[1]
+        return out.transpose(0, 1).reshape(s, b, -1)
+
+    def extra_repr(self) -> str:
+        t = self.topology
+        return (f"ulysses={t.ulysses_size}, ring={t.ring_size}, layout={self.ring_sp_config.layout!r}, "
+                f"backend={self.ring_sp_config.backend!r}")

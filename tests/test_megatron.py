@@ -1,0 +1,382 @@
+"""C18: the Megatron integration on gloo CPU ranks with megatron-core.
+
+A megatron-core ``GPTModel`` with the ring_sp core-attention spec at CP = 4 (U2 x R2,
+U1 x R4) and TP = 2 x CP = 2, fed Megatron's own ``get_batch_on_this_cp_rank`` shards,
+gives the loss and, after Megatron's DDP gradient reduction, the gradients of the same
+model at CP = 1 on the full sequence, whose core attention is plain softmax attention
+written here (megatron-core's DotProductAttention cannot run on CPU). Plus the argument
+switch, the spec import paths, RoPE slicing against Megatron's own, and the example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'megatron-core==0.16.1')")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
+
+import ring_sp.integrations.megatron as rsm  # noqa: E402
+from ring_sp import sequence_parallel_loss  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ, BATCH, VOCAB, HEADS, GROUPS = 64, 2, 256, 4, 2
+
+
+# ---------------------------------------------------------------------------- model runs
+
+
+class PlainCoreAttention(MegatronModule):
+    """The CP = 1 reference: causal softmax attention with Megatron's core-attention API."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None) -> None:
+        super().__init__(config=config)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None) -> torch.Tensor:
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def _config(tp: int, cp: int, per_token_loss: bool = False) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, context_parallel_size=cp, calculate_per_token_loss=per_token_loss,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+
+
+def _model(layer_spec, tp: int, cp: int, full_params: dict[str, torch.Tensor] | None,
+           per_token_loss: bool = False) -> DistributedDataParallel:
+    """GPTModel + Megatron DDP; weights are this TP rank's slices of ``full_params``."""
+    torch.manual_seed(0)
+    config = _config(tp, cp, per_token_loss)
+    model = GPTModel(config, layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=False)
+    rsm.install_layout_rope(model)  # megatron-core's own RoPE calls CUDA (see test_layout_rope_equals_megatrons)
+    if full_params is not None:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(_tp_slice(full_params[name], param))
+    with rsm.ddp_buffers_on_cpu():
+        return DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+
+
+def _tp_slice(full: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+    """This TP rank's part of a full weight, as megatron-core's CPU initialisation splits it."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    pieces = full.chunk(tp * param.partition_stride, dim=param.partition_dim)
+    return torch.cat(pieces[parallel_state.get_tensor_model_parallel_rank()::tp], dim=param.partition_dim)
+
+
+def _tp_gather(shard: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+    """Inverse of :func:`_tp_slice` over the TP group."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(tp)]
+    dist.all_gather(parts, shard.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    stride, dim = param.partition_stride, param.partition_dim
+    return torch.cat([parts[r].chunk(stride, dim)[j] for j in range(stride) for r in range(tp)], dim=dim)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    """Megatron's batch keys; the loss mask leaves CP rank 0 of 4 with no valid token."""
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    loss_mask = torch.ones(BATCH, SEQ)
+    chunk = SEQ // 8
+    loss_mask[:, :chunk] = 0  # zigzag chunks 0 and 7 are CP rank 0's (of 4)
+    loss_mask[:, -chunk:] = 0
+    loss_mask[1, 20:29] = 0
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": loss_mask,
+            "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+
+
+def _forward(model: DistributedDataParallel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s] token losses
+
+
+def _grads(model: DistributedDataParallel) -> dict[str, torch.Tensor]:
+    return {name: _tp_gather(p.main_grad, p) for name, p in model.module.named_parameters()}
+
+
+def _reference() -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """CP = 1, TP = 1 on the full sequence (every rank the same batch: DDP's mean is a no-op)."""
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    try:
+        model = _model(replace_core(PlainCoreAttention), tp=1, cp=1, full_params=None)
+        params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
+        batch = _batch()
+        losses = _forward(model, batch)
+        loss = (losses * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss.backward()
+        model.finish_grad_sync()
+        return loss.item(), params, _grads(model)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def replace_core(core_attention) -> object:
+    return rsm.replace_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm"), core_attention)
+
+
+def gpt_case(tp: int, cp: int, ulysses: int, hierarchical: bool) -> dict[str, object]:
+    """Loss and reduced gradients at TP x CP against the CP = 1 reference, under both
+    ring_sp's loss (mean over the CP group, DDP averages) and Megatron-LM's
+    ``--calculate-per-token-loss`` convention (local sums, DDP sums, finalize_model_grads
+    divides by the global token count)."""
+    ref_loss, params, ref_grads = _reference()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False,
+        hierarchical_context_parallel_sizes=[ulysses, cp // ulysses] if hierarchical else None,
+    )
+    try:
+        config = rsm.RingSPConfig(ulysses_size=ulysses)
+        spec = rsm.get_gpt_layer_ring_sp_spec(config, normalization="RMSNorm")
+        cp_group = parallel_state.get_context_parallel_group()
+        shard = get_batch_on_this_cp_rank(_batch())  # Megatron's own zigzag sharding
+
+        model = _model(spec, tp, cp, params)
+        losses = _forward(model, shard)
+        loss = sequence_parallel_loss((losses * shard["loss_mask"]).sum(), shard["loss_mask"].sum(), group=cp_group,
+                                     gradients_averaged_over_sp=True)
+        loss.backward()
+        model.finish_grad_sync()
+        grads = _grads(model)
+
+        per_token_model = _model(spec, tp, cp, params, per_token_loss=True)
+        local_sum = (_forward(per_token_model, shard) * shard["loss_mask"]).sum()
+        local_sum.backward()
+        finalize_model_grads([per_token_model], num_tokens=shard["loss_mask"].sum().to(torch.int))
+        per_token_grads = _grads(per_token_model)
+
+        attention = model.module.decoder.layers[0].self_attention.core_attention
+        hcp = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+        return {
+            "loss": loss.item(), "ref_loss": ref_loss,
+            "grad_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+            "per_token_grad_err": max((per_token_grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+            "ref_grad_max": max(g.abs().max().item() for g in ref_grads.values()),
+            "valid_tokens": int(shard["loss_mask"].sum()),
+            "grid": (attention.topology.ulysses_size, attention.topology.ring_size),
+            "reused_hcp": hcp is not None and attention.topology.ulysses_group is hcp[0],
+            "shared_topology": all(layer.self_attention.core_attention.topology is attention.topology
+                                   for layer in model.module.decoder.layers),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp,cp,ulysses,hierarchical", [
+    pytest.param(1, 4, 2, True, id="cp4-u2xr2-megatron-hierarchical-groups"),
+    pytest.param(1, 4, 1, False, id="cp4-u1xr4"),
+    pytest.param(2, 2, 2, False, id="tp2xcp2-u2xr1"),
+])
+def test_gpt_loss_and_reduced_grads_equal_cp1(pools, tp: int, cp: int, ulysses: int, hierarchical: bool) -> None:
+    if hierarchical:
+        pytest.importorskip("einops", reason="megatron-core builds hierarchical CP groups with einops")
+    results = pools.get(4).run(gpt_case, tp, cp, ulysses, hierarchical, timeout=240)
+    assert cp < 4 or any(r["valid_tokens"] == 0 for r in results), "one CP rank must have no valid token"
+    for r in results:
+        assert r["grid"] == (ulysses, cp // ulysses)
+        assert r["reused_hcp"] == hierarchical and r["shared_topology"]
+        assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
+        assert r["ref_grad_max"] > 1e-3  # the comparison is not between zeros
+        assert r["grad_err"] <= 1e-6 and r["per_token_grad_err"] <= 1e-6, r
+
+
+# ---------------------------------------------------------------------------- RoPE
+
+
+class _FakeGroup:
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("interleaved,percent", [(False, 1.0), (True, 0.5)])
+def test_layout_rope_equals_megatrons(monkeypatch, interleaved: bool, percent: float) -> None:
+    """Megatron's own RotaryEmbedding.forward (its two CUDA calls mocked to stay on CPU)
+    and LayoutRotaryEmbedding(zigzag) give every CP rank bitwise the same angles."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, pin_memory=False, **kw: real_tensor(*a, **kw))
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **kw: self)
+    for cp in (1, 2, 4):
+        for rank in range(cp):
+            group = _FakeGroup(rank, cp)
+            rotary = RotaryEmbedding(16, percent, rotary_interleaved=interleaved, use_cpu_initialization=True,
+                                     cp_group=group)
+            ours = rsm.LayoutRotaryEmbedding(rotary, layout="zigzag", cp_group=group, device="cpu")(SEQ)
+            with rsm.ddp_buffers_on_cpu():  # get_emb moves inv_freq to torch.cuda.current_device()
+                theirs = rotary(SEQ)
+            assert ours.shape == (SEQ // cp, 1, 1, int(16 * percent)) and torch.equal(ours, theirs)
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    for flag, kind, default in (("--num-attention-heads", int, 8), ("--num-query-groups", int, None),
+                                ("--context-parallel-size", int, 4), ("--tensor-model-parallel-size", int, 1),
+                                ("--attention-dropout", float, 0.0), ("--position-embedding-type", str, "rope")):
+        parser.add_argument(flag, type=kind, default=default)
+    parser.add_argument("--group-query-attention", action="store_true")
+    parser.add_argument("--reset-attention-mask", action="store_true")
+    return rsm.add_ring_sp_args(parser).parse_args(argv)
+
+
+def test_switch_is_off_by_default_and_builds_the_config() -> None:
+    assert rsm.validate_ring_sp_args(_parse()) is None
+    config = rsm.validate_ring_sp_args(_parse("--ring-sp", "--ring-sp-ulysses-size", "2", "--ring-sp-backend", "torch"))
+    assert config == rsm.RingSPConfig(ulysses_size=2, layout="zigzag", placement="ulysses_inner", backend="torch")
+    assert config.ring_size(4) == 2
+    assert rsm.validate_ring_sp_args(_parse("--no-ring-sp", "--ring-sp-ulysses-size", "3")) is None
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ring-sp-ulysses-size", "0"], r"argument --ring-sp-ulysses-size: 0 must be >= 1"),
+    (["--ring-sp-ulysses-size", "two"], r"argument --ring-sp-ulysses-size: 'two' is not an integer"),
+    (["--ring-sp-layout", "diagonal"], r"argument --ring-sp-layout: invalid choice: 'diagonal'"),
+    (["--ring-sp-placement", "inner"], r"argument --ring-sp-placement: invalid choice: 'inner'"),
+    (["--ring-sp-backend", "cuda"], r"argument --ring-sp-backend: invalid choice: 'cuda'"),
+])
+def test_bad_values_are_refused_by_argparse_naming_the_argument(capsys, argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit):
+        _parse("--ring-sp", *argv)
+    assert __import__("re").search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ring-sp-ulysses-size", "3"],
+     r"--ring-sp-ulysses-size \(ulysses_size\)=3 must divide --context-parallel-size=4.*one of \[1, 2, 4\]"),
+    (["--ring-sp-ulysses-size", "4", "--tensor-model-parallel-size", "4"],
+     r"--ring-sp-ulysses-size \(ulysses_size\)=4 must divide the attention heads of one tensor-parallel rank "
+     r"\(--num-attention-heads=8 / --tensor-model-parallel-size=4 = 2\); choose one of \[1, 2\]"),
+    (["--ring-sp-ulysses-size", "4", "--group-query-attention", "--num-query-groups", "6",
+      "--num-attention-heads", "12", "--context-parallel-size", "8"],
+     r"--ring-sp-ulysses-size \(ulysses_size\)=4 and the key/value heads of one tensor-parallel rank \(6"),
+    (["--ring-sp-ulysses-size", "2", "--ring-sp-layout", "striped"],
+     r"--ring-sp-layout \(layout\)='striped' cannot be combined with a 2 x 2 ulysses x ring grid"),
+    (["--ring-sp-ulysses-size", "2", "--ring-sp-placement", "ring_inner"],
+     r"--ring-sp-placement \(placement\)='ring_inner' is not supported with a 2 x 2 ulysses x ring grid"),
+    (["--attention-dropout", "0.1"], r"--attention-dropout=0.1 is not supported with --ring-sp.*--attention-dropout 0"),
+    (["--reset-attention-mask"], r"--reset-attention-mask is not supported with --ring-sp"),
+    (["--ring-sp-layout", "contiguous"],
+     r"--ring-sp-layout=contiguous does not match --position-embedding-type=rope"),
+])
+def test_bad_combinations_name_the_arguments(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        rsm.validate_ring_sp_args(_parse("--ring-sp", *argv))
+
+
+def test_layout_is_free_when_rope_follows_it_and_ring_inner_fits_a_pure_ring() -> None:
+    args = _parse("--ring-sp", "--ring-sp-layout", "striped", "--ring-sp-placement", "ring_inner")
+    assert rsm.validate_ring_sp_args(args, rope_follows_layout=True).layout == "striped"
+
+
+# ---------------------------------------------------------------------------- spec import paths
+
+
+def test_spec_importable_by_name_for_megatron_core() -> None:
+    from megatron.core.transformer.spec_utils import import_module
+
+    factory = import_module(("ring_sp.integrations.megatron", "get_gpt_layer_ring_sp_spec"))
+    spec = factory(rsm.RingSPConfig(ulysses_size=2), qk_layernorm=True)
+    attention = spec.submodules.self_attention.submodules
+    assert attention.core_attention.module is rsm.RingSPCoreAttention
+    assert attention.core_attention.params == {"ring_sp_config": rsm.RingSPConfig(ulysses_size=2)}
+    assert attention.q_layernorm is not None and spec.submodules.mlp is not None  # the rest is Megatron's local spec
+
+
+def test_megatron_lm_spec_flag_resolves_to_a_module_spec(monkeypatch) -> None:
+    """Megatron-LM's ``--spec M NAME`` uses ``vars(M)[NAME]`` itself as the layer spec."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+
+    args = _parse("--ring-sp", "--ring-sp-ulysses-size", "2")
+    args.normalization = "RMSNorm"
+    training = types.ModuleType("megatron.training")
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars.get_args = lambda: args
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    try:
+        spec = import_module(("ring_sp.integrations.megatron", "gpt_layer_ring_sp_spec"))
+        assert isinstance(spec, ModuleSpec)
+        core = spec.submodules.self_attention.submodules.core_attention
+        assert core.module is rsm.RingSPCoreAttention and core.params["ring_sp_config"].ulysses_size == 2
+        vars(rsm).pop("gpt_layer_ring_sp_spec")
+        args.ring_sp = False  # --no-ring-sp: Megatron's own local spec
+        spec = import_module(("ring_sp.integrations.megatron", "gpt_layer_ring_sp_spec"))
+        assert spec.submodules.self_attention.submodules.core_attention.__name__ == "DotProductAttention"
+    finally:
+        vars(rsm).pop("gpt_layer_ring_sp_spec", None)
+
+
+def test_package_import_has_no_megatron_side_effects() -> None:
+    code = ("import sys, ring_sp.integrations.megatron as m; m.add_ring_sp_args; "
+            "assert not [k for k in sys.modules if k.startswith('megatron')], 'megatron imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# ---------------------------------------------------------------------------- the example
+
+
+def _example(nproc: int, *extra: str) -> list[dict]:
+    env = {**os.environ, "NUM_RANKS": str(nproc), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(
+        ["bash", "examples/megatron/pretrain_gpt.sh", "--cpu", "--log-json", "--num-layers", "2", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "128",
+         "--micro-batch-size", "2", "--lr-warmup-iters", "0", "--corpus-bytes", "300000", *extra],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(line) for line in result.stdout.splitlines()]  # nothing but JSON on stdout
+
+
+def test_example_trains_and_resumes_at_another_cp_size(tmp_path: Path) -> None:
+    """4 CPU ranks at CP = 4 (U2 x R2) for 6 steps, saving at 3; then 1 rank at CP = 1
+    resumed from step 3 reproduces steps 4-6 (the same samples: DP = 1 in both)."""
+    ckpt = tmp_path / "ckpt"
+    first = _example(4, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3")
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
+    assert all(math.isfinite(r["loss"]) for r in first) and first[-1]["loss"] < first[0]["loss"]
+    resumed = _example(1, "--train-iters", "6", "--ring-sp-ulysses-size", "1", "--load", str(ckpt), "--ckpt-step", "3")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    for a, b in zip(first[3:], resumed):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (first, resumed)

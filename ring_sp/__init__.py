@@ -5,7 +5,7 @@ Importing this package has no side effects: no process groups, no CUDA, no flash
 
 from .attention import hybrid_attention, ring_attention, ulysses_attention
 from .comm import count_communication
-from .data import document_positions, pad_documents, shard_batch, shift_labels
+from .data import IGNORE_INDEX, document_positions, pad_documents, shard_batch, shift_labels
 from .layouts import LAYOUTS, gather_sequence, layout_positions, shard_sequence, unshard_sequence
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss
 from .module import SequenceParallelAttention
@@ -14,6 +14,7 @@ from .topology import PLACEMENTS, SequenceParallelTopology, init_sequence_parall
 __version__ = "0.1.0"
 
 __all__ = [
+    "IGNORE_INDEX",
     "LAYOUTS",
     "PLACEMENTS",
     "SequenceParallelAttention",

@@ -67,8 +67,8 @@ def _prepare(
     """Every local check, then the plan of the call. Raises before any collective."""
     check_qkv(q, k, v)
     check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
-    check_local_length(layout, q.shape[1])
     u, r = _size(ulysses_group), _size(ring_group)
+    check_local_length(layout, q.shape[1], u * r)
     global_len = q.shape[1] * u * r
     if cu_seqlens is not None or layout == "document_zigzag":
         check_layout(layout, u * r, global_len, name="the global length (q.shape[1] x SP size)", cu_seqlens=cu_seqlens)
@@ -80,7 +80,7 @@ def _prepare(
     reorder = ulysses_to_ring_reorder(layout, u, r, global_len, ring_rank, q.device, cu_seqlens) if u > 1 else None
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3])
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
-                    resolve_scale(softmax_scale, q.shape[3]), cu_seqlens)
+                    resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens)
     return ring, (UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None)
 
 

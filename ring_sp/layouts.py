@@ -44,17 +44,18 @@ def as_boundaries(cu_seqlens: torch.Tensor | Sequence[int] | None) -> Boundaries
 
 
 def check_boundaries(cu_seqlens: Boundaries, seq_len: int, *, name: str = "cu_seqlens") -> None:
-    """``cu_seqlens`` must run from 0 to the global length ``seq_len``, strictly increasing."""
+    """``cu_seqlens`` must run from 0 to the global length ``seq_len``, never decreasing
+    (an empty document, a repeated boundary, is allowed: padding schemes produce them)."""
     if len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != seq_len:
         raise ValueError(
             f"{name} must start at 0 and end at the global sequence length {seq_len} "
             f"([num_docs + 1] document boundaries of the packed sequence); got {_short(cu_seqlens)}"
         )
-    bad = next((i for i in range(1, len(cu_seqlens)) if cu_seqlens[i] <= cu_seqlens[i - 1]), None)
+    bad = next((i for i in range(1, len(cu_seqlens)) if cu_seqlens[i] < cu_seqlens[i - 1]), None)
     if bad is not None:
         raise ValueError(
-            f"{name} must be strictly increasing (no empty documents); "
-            f"{name}[{bad - 1}]={cu_seqlens[bad - 1]} >= {name}[{bad}]={cu_seqlens[bad]}"
+            f"{name} must not decrease (document boundaries in order); "
+            f"{name}[{bad - 1}]={cu_seqlens[bad - 1]} > {name}[{bad}]={cu_seqlens[bad]}"
         )
 
 
@@ -71,7 +72,8 @@ def check_layout(layout: str, world_size: int, seq_len: int, *, name: str = "seq
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    multiple = 2 * world_size if layout in ("zigzag", "document_zigzag") else world_size
+    # zigzag needs 2 chunks per rank; on ONE rank every layout is the identity
+    multiple = 2 * world_size if layout in ("zigzag", "document_zigzag") and world_size > 1 else world_size
     if seq_len % multiple != 0 or seq_len == 0:
         raise ValueError(
             f"{name}={seq_len} must be a positive multiple of {multiple} for layout={layout!r} "
@@ -92,7 +94,19 @@ def check_layout(layout: str, world_size: int, seq_len: int, *, name: str = "seq
             )
 
 
-@functools.lru_cache(maxsize=256)
+def _cached(fn):
+    """Memoise ``fn``: plain layouts in a roomy cache, entries keyed by document boundaries
+    (a new packing can arrive every step, each entry O(N)) in a small one."""
+    plain, documents = functools.lru_cache(maxsize=256)(fn), functools.lru_cache(maxsize=8)(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        return (documents if any(isinstance(a, tuple) for a in args) else plain)(*args)
+
+    return call
+
+
+@_cached
 def _positions(layout: str, world_size: int, seq_len: int, cu_seqlens: Boundaries | None) -> torch.Tensor:
     if layout == "contiguous":
         return torch.arange(seq_len).view(world_size, -1)
@@ -100,13 +114,16 @@ def _positions(layout: str, world_size: int, seq_len: int, cu_seqlens: Boundarie
         return _zigzag(torch.arange(seq_len), world_size)
     if layout == "document_zigzag":
         assert cu_seqlens is not None  # check_layout ran
-        return torch.cat([_zigzag(torch.arange(a, b), world_size) for a, b in zip(cu_seqlens, cu_seqlens[1:])], dim=1)
+        documents = [_zigzag(torch.arange(a, b), world_size) for a, b in zip(cu_seqlens, cu_seqlens[1:]) if b > a]
+        return torch.cat(documents, dim=1)
     # striped: token t lives on rank t % P at local index t // P
     return torch.arange(seq_len).view(-1, world_size).t().contiguous()
 
 
 def _zigzag(tokens: torch.Tensor, world_size: int) -> torch.Tensor:
     """[P, len/P]: rank i gets chunks i and 2P-1-i of ``tokens`` split into 2P chunks."""
+    if world_size == 1:
+        return tokens.view(1, -1)
     chunks = tokens.view(2 * world_size, -1)
     ranks = torch.arange(world_size)
     return torch.cat([chunks[ranks], chunks[2 * world_size - 1 - ranks]], dim=1)
@@ -127,7 +144,7 @@ def _layout_key(layout: str, boundaries: Boundaries | None) -> Boundaries | None
     return boundaries if layout == "document_zigzag" else None
 
 
-@functools.lru_cache(maxsize=256)
+@_cached
 def _index_on(layout: str, world_size: int, seq_len: int, cu_seqlens: Boundaries | None, rank: int | None,
               device: torch.device) -> torch.Tensor:
     positions = _positions(layout, world_size, seq_len, cu_seqlens)
@@ -267,7 +284,7 @@ class Reorder:
     inverse: torch.Tensor
 
 
-@functools.lru_cache(maxsize=256)
+@_cached
 def ulysses_to_ring_reorder(
     layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int, device: torch.device,
     cu_seqlens: Boundaries | None = None,

@@ -25,21 +25,22 @@ class RingSpec:
     documents), the kernel."""
 
     def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
-                 cu_seqlens: Boundaries | None = None) -> None:
+                 local_len: int, cu_seqlens: Boundaries | None = None) -> None:
         self.comm = comm
-        self.layout = layout
-        self.causal = causal
         self.kernel = kernel
         self.scale = scale
-        self.cu_seqlens = cu_seqlens
         self.world_size = comm.world_size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
+        # The whole schedule, once per call (forward and backward share it): the KV at step
+        # t comes from rank (rank - t) mod R. With documents this is the costly part.
+        self.schedule = tuple(
+            step_tasks(layout, causal, self.rank, (self.rank - step) % self.world_size, self.world_size, local_len, cu_seqlens)
+            for step in range(self.world_size)
+        )
 
-    def steps(self, local_len: int):
-        """(step, tasks) for every step; the KV at step t comes from rank (rank - t) mod R."""
-        for step in range(self.world_size):
-            source = (self.rank - step) % self.world_size
-            yield step, step_tasks(self.layout, self.causal, self.rank, source, self.world_size, local_len, self.cu_seqlens)
+    def steps(self):
+        """(step, tasks) for every step of the ring."""
+        return enumerate(self.schedule)
 
     def rotate(self, send: torch.Tensor, recv: torch.Tensor, kind: str) -> PendingExchange:
         assert self.comm is not None  # only called when world_size > 1
@@ -64,7 +65,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
     many = spec.world_size > 1
     kv = _pack_kv(k, v) if many else (k, v)
     kv_next = torch.empty_like(kv) if many else None
-    for step, tasks in spec.steps(n):
+    for step, tasks in spec.steps():
         pending = spec.rotate(kv, kv_next, "ring_kv") if step + 1 < spec.world_size else None
         written: list[slice] = []  # rows filled at step 0: a first write is a copy, not a merge
         for task in tasks:
@@ -96,7 +97,6 @@ def ring_backward(
     given the global ``out`` and ``lse`` from :func:`ring_forward`. They are returned in
     the float32 (float64) accumulator dtype: the caller casts once, after any further
     reduction (Ulysses sums replicated KV-head gradients), so nothing is rounded twice."""
-    n = q.shape[1]
     acc_dtype = softmax_stat_dtype(q.dtype)
     many = spec.world_size > 1
     # Accumulators are allocated explicitly: ``x.to(torch.float32)`` would alias an fp32 x.
@@ -108,7 +108,7 @@ def ring_backward(
     dout = dout.contiguous()
     kv_pending: PendingExchange | None = None
     dkv_pending: PendingExchange | None = None
-    for step, tasks in spec.steps(n):
+    for step, tasks in spec.steps():
         if step + 1 < spec.world_size:
             kv_pending = spec.rotate(kv, kv_next, "ring_kv")
         grads = [

@@ -22,7 +22,6 @@ tensor is ever built.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +105,6 @@ def _document_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> dict[int,
     return {int(d): (int(stop - n), int(stop)) for d, n, stop in zip(ids, counts, stops)}
 
 
-@functools.lru_cache(maxsize=1024)
 def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_size: int, local_len: int,
                       cu_seqlens: Boundaries) -> tuple[BlockTask, ...]:
     """:func:`ring_step_tasks` restricted to pairs inside one document of ``cu_seqlens``.

@@ -103,9 +103,10 @@ def check_cu_seqlens(cu_seqlens: object) -> None:
         raise TypeError(f"cu_seqlens must be a 1-D int tensor or a list of ints [num_docs + 1]; got {_describe(cu_seqlens)}")
 
 
-def check_local_length(layout: str, local_len: int, *, name: str = "q.shape[1]") -> None:
-    """zigzag splits every shard into two equal chunks, so the local length must be even."""
-    if layout == "zigzag" and local_len % 2 != 0:
+def check_local_length(layout: str, local_len: int, sp_size: int, *, name: str = "q.shape[1]") -> None:
+    """zigzag splits every shard into two equal chunks (on more than one rank), so the
+    local length must be even."""
+    if layout == "zigzag" and sp_size > 1 and local_len % 2 != 0:
         raise ValueError(
             f"{name}={local_len} must be even for layout='zigzag' (each shard is two equal chunks, "
             f"so the global length must be a multiple of 2 x the sequence-parallel size); "

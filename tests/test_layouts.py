@@ -143,5 +143,10 @@ def test_document_boundaries_are_validated_with_the_fix() -> None:
         shard_sequence(x, rank=0, world_size=2, layout="document_zigzag", cu_seqlens=[0, 4, 10, 16])
     with pytest.raises(ValueError, match=r"cu_seqlens must start at 0 and end at the global sequence length 16"):
         shard_sequence(x, rank=0, world_size=2, layout="striped", cu_seqlens=[0, 4, 12])
-    with pytest.raises(ValueError, match=r"strictly increasing.*cu_seqlens\[1\]=4 >= cu_seqlens\[2\]=4"):
-        shard_sequence(x, rank=0, world_size=2, layout="zigzag", cu_seqlens=torch.tensor([0, 4, 4, 16]))
+    with pytest.raises(ValueError, match=r"must not decrease.*cu_seqlens\[1\]=8 > cu_seqlens\[2\]=4"):
+        shard_sequence(x, rank=0, world_size=2, layout="zigzag", cu_seqlens=torch.tensor([0, 8, 4, 16]))
+    # an empty document (a repeated boundary, as padded batches produce) is fine
+    y = torch.arange(16).view(1, 16)
+    shards = torch.stack([shard_sequence(y, rank=r, world_size=2, layout="document_zigzag", cu_seqlens=[0, 4, 4, 16])
+                          for r in range(2)])
+    assert torch.equal(unshard_sequence(shards, layout="document_zigzag", cu_seqlens=[0, 4, 4, 16]), y)

@@ -82,3 +82,23 @@ def test_shard_batch_with_documents_shifts_inside_documents_and_restarts_positio
     assert full[0].tolist() == [11, 12, 13, 14, -100, -100, -100, -100, 16, 17, 18, 19, 20, 21, -100, -100]
     positions = ring_sp.unshard_sequence(torch.stack([s["position_ids"] for s in shards]), layout="document_zigzag", cu_seqlens=cu)
     assert positions[0].tolist() == list(range(8)) * 2
+
+
+def empty_document_case(layout: str, cu_seqlens: tuple[int, ...]) -> float:
+    """A repeated boundary (an empty document, as padded batches produce) changes nothing."""
+    from dist_cases import document_mask
+    from oracle import GRAD_TOL, OUT_TOL, assert_close, make_inputs, oracle_results
+
+    inputs = make_inputs(5, 1, cu_seqlens[-1], 4, 2, 8, torch.float64)
+    expected = oracle_results(inputs, causal=True, mask=document_mask(cu_seqlens, True))
+    shard = lambda x: ring_sp.shard_sequence(x, rank=dist.get_rank(), world_size=2, layout=layout, cu_seqlens=cu_seqlens)  # noqa: E731
+    q, k, v = (shard(inputs[n]).requires_grad_() for n in ("q", "k", "v"))
+    out = ring_sp.ring_attention(q, k, v, causal=True, layout=layout, cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32))
+    out.backward(shard(inputs["dout"]))
+    assert_close("out", out, shard(expected["out"]), OUT_TOL[torch.float64])
+    return assert_close("dk", k.grad, shard(expected["dk"]), GRAD_TOL[torch.float64])
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "document_zigzag", "striped"])
+def test_empty_documents_are_allowed(pools, layout: str) -> None:
+    pools.get(2).run(empty_document_case, layout, (0, 4, 4, 8, 8, 16))

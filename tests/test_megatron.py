@@ -31,11 +31,15 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 
+import ring_sp  # noqa: E402
 import ring_sp.integrations.megatron as rsm  # noqa: E402
+from dist_cases import random_documents  # noqa: E402
 from ring_sp import sequence_parallel_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,10 +231,12 @@ class _FakeGroup:
         return self._size
 
 
-@pytest.mark.parametrize("interleaved,percent", [(False, 1.0), (True, 0.5)])
-def test_layout_rope_equals_megatrons(monkeypatch, interleaved: bool, percent: float) -> None:
+@pytest.mark.parametrize("interleaved,percent,layout", [(False, 1.0, "zigzag"), (True, 0.5, "zigzag"),
+                                                        (False, 1.0, "document_zigzag")])
+def test_layout_rope_equals_megatrons(monkeypatch, interleaved: bool, percent: float, layout: str) -> None:
     """Megatron's own RotaryEmbedding.forward (its two CUDA calls mocked to stay on CPU)
-    and LayoutRotaryEmbedding(zigzag) give every CP rank bitwise the same angles."""
+    and LayoutRotaryEmbedding(zigzag) give every CP rank bitwise the same angles; so does
+    document_zigzag on an unpacked batch (one document)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     real_tensor = torch.tensor
@@ -241,10 +247,201 @@ def test_layout_rope_equals_megatrons(monkeypatch, interleaved: bool, percent: f
             group = _FakeGroup(rank, cp)
             rotary = RotaryEmbedding(16, percent, rotary_interleaved=interleaved, use_cpu_initialization=True,
                                      cp_group=group)
-            ours = rsm.LayoutRotaryEmbedding(rotary, layout="zigzag", cp_group=group, device="cpu")(SEQ)
+            ours = rsm.LayoutRotaryEmbedding(rotary, layout=layout, cp_group=group, device="cpu")(SEQ)
             with rsm.ddp_buffers_on_cpu():  # get_emb moves inv_freq to torch.cuda.current_device()
                 theirs = rotary(SEQ)
             assert ours.shape == (SEQ // cp, 1, 1, int(16 * percent)) and torch.equal(ours, theirs)
+
+
+# ---------------------------------------------------------------------------- packed sequences (THD)
+
+
+def _documents() -> tuple[torch.Tensor, tuple[int, ...]]:
+    """60 real tokens in documents of random lengths, length-1 documents at both ends."""
+    return torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(11)), random_documents(60, seed=5)
+
+
+def _per_document_reference() -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """CP = 1 with plain causal SDPA, every real document of :func:`_documents` through the
+    model on its own (never packed, padded or sharded; positions from 0): the token-mean
+    loss over all documents, the weights and the gradients."""
+    tokens, cu = _documents()
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    try:
+        model = _model(replace_core(PlainCoreAttention), tp=1, cp=1, full_params=None)
+        params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
+        total, count = 0.0, 0
+        for a, b in zip(cu, cu[1:]):
+            doc = tokens[a:b][None]
+            losses = model(doc, torch.arange(b - a)[None], None, labels=doc.roll(-1, dims=1))[:, :-1]  # last: no target
+            total, count = total + losses.sum(), count + losses.numel()
+        loss = total / count
+        loss.backward()
+        model.finish_grad_sync()
+        return loss.item(), params, _grads(model)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def packed_case(ulysses: int) -> dict[str, object]:
+    """CP = 4 on a padded THD batch against every document run alone at CP = 1 with plain
+    causal SDPA (the reference never packs, pads or shards), under both loss conventions
+    of :func:`gpt_case`; and the THD batch refused by a zigzag-configured attention."""
+    ref_loss, params, ref_grads = _per_document_reference()
+    tokens, cu = _documents()
+    parallel_state.initialize_model_parallel(context_parallel_size=4, create_gloo_process_groups=False)
+    try:
+        cp_group = parallel_state.get_context_parallel_group()
+        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu)  # padded, sharded per document
+        config = rsm.RingSPConfig(ulysses_size=ulysses, layout="document_zigzag")
+        spec = rsm.get_gpt_layer_ring_sp_spec(config, normalization="RMSNorm")
+        model = _model(spec, 1, 4, params)
+        losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
+        loss = sequence_parallel_loss((losses * shard["loss_mask"]).sum(), shard["loss_mask"].sum(), group=cp_group,
+                                      gradients_averaged_over_sp=True)
+        loss.backward()
+        model.finish_grad_sync()
+        grads = _grads(model)
+
+        per_token_model = _model(spec, 1, 4, params, per_token_loss=True)  # --calculate-per-token-loss
+        losses = per_token_model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"],
+                                 packed_seq_params=packed)
+        (losses * shard["loss_mask"]).sum().backward()
+        finalize_model_grads([per_token_model], num_tokens=shard["loss_mask"].sum().to(torch.int))
+        per_token_grads = _grads(per_token_model)
+
+        attention = model.module.decoder.layers[0].self_attention.core_attention
+        q = torch.randn(shard["tokens"].shape[1], HEADS, 16)
+        zigzag = rsm.RingSPCoreAttention(_config(1, 4), 1, AttnMaskType.causal, "self", topology=attention.topology,
+                                         ring_sp_config=rsm.RingSPConfig(ulysses_size=ulysses, layout="zigzag"))
+        with pytest.raises(ValueError) as wrong_layout:
+            zigzag(q, q, q, None, packed_seq_params=packed)
+        return {
+            "loss": loss.item(), "ref_loss": ref_loss,
+            "grad_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+            "per_token_grad_err": max((per_token_grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+            "ref_grad_max": max(g.abs().max().item() for g in ref_grads.values()),
+            "grid": (attention.topology.ulysses_size, attention.topology.ring_size),
+            "padded_tokens": 4 * shard["tokens"].shape[1], "wrong_layout": str(wrong_layout.value),
+        }
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("ulysses", [pytest.param(2, id="cp4-u2xr2"), pytest.param(1, id="cp4-u1xr4")])
+def test_packed_thd_loss_and_reduced_grads_equal_per_document_cp1(pools, ulysses: int) -> None:
+    results = pools.get(4).run(packed_case, ulysses, timeout=240)
+    for r in results:
+        assert r["grid"] == (ulysses, 4 // ulysses) and r["padded_tokens"] > 60  # the 60 real ones, padded
+        assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
+        assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6 and r["per_token_grad_err"] <= 1e-6, r
+        assert "needs --ring-sp-layout document_zigzag" in r["wrong_layout"], r
+
+
+def test_packed_thd_at_cp1_equals_per_document(single_rank) -> None:
+    """CP = 1 (the layout is then the identity): the same THD path, in this process."""
+    ref_loss, params, ref_grads = _per_document_reference()
+    tokens, cu = _documents()
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    try:
+        spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(layout="document_zigzag"), normalization="RMSNorm")
+        model = _model(spec, 1, 1, params)
+        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu)
+        losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
+        loss = (losses * shard["loss_mask"]).sum() / shard["loss_mask"].sum()
+        loss.backward()
+        model.finish_grad_sync()
+        grads = _grads(model)
+    finally:
+        parallel_state.destroy_model_parallel()
+    assert math.isclose(loss.item(), ref_loss, rel_tol=1e-6)
+    assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= 1e-6
+
+
+def test_document_zigzag_is_transformer_engines_thd_partitioning() -> None:
+    """TransformerEngine's thd_get_partitioned_indices (behind Megatron's
+    get_thd_batch_on_this_cp_rank; CUDA-only, so restated from its kernel): each padded
+    document split into 2 x CP chunks, rank c taking chunks c and 2CP-1-c, in order."""
+    cu = (0, 8, 16, 48, 56, 96)
+    for cp in (1, 2, 4):
+        for rank in range(cp):
+            expected = []
+            for a, b in zip(cu, cu[1:]):
+                half = (b - a) // (2 * cp)
+                expected += [*range(a + rank * half, a + (rank + 1) * half),
+                             *range(b - (rank + 1) * half, b - rank * half)]
+            assert ring_sp.layout_positions("document_zigzag", cp, cu[-1], cu)[rank].tolist() == expected
+
+
+def test_layout_rope_with_megatrons_thd_rope_restarts_positions_per_document() -> None:
+    """LayoutRotaryEmbedding(packed_seq=True) fed to megatron-core's own THD RoPE
+    (apply_rotary_pos_emb with cu_seqlens, runs on CPU) gives every CP rank the rotation of
+    its document_zigzag tokens at their positions inside their document."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd, apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    cu = (0, 8, 16, 48, 56, 96)
+    x = torch.randn(cu[-1], 2, 16)  # [t, h, d]
+    config = types.SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    for cp in (1, 2, 4):
+        for rank in range(cp):
+            group = _FakeGroup(rank, cp)
+            rope = rsm.LayoutRotaryEmbedding(RotaryEmbedding(16, 1.0, use_cpu_initialization=True, cp_group=group),
+                                             layout="document_zigzag", cp_group=group, device="cpu")
+            table = rope(56, packed_seq=True)  # the longest document: max_seqlen_q
+            local = ring_sp.shard_sequence(x, rank=rank, world_size=cp, layout="document_zigzag", dim=0, cu_seqlens=cu)
+            theirs = apply_rotary_pos_emb(local, table, config, cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                                          cp_group=group)
+            positions = ring_sp.document_positions(cu)
+            expected = _apply_rotary_pos_emb_bshd(x[:, None], table[positions])[:, 0]
+            mine = ring_sp.shard_sequence(expected, rank=rank, world_size=cp, layout="document_zigzag", dim=0,
+                                          cu_seqlens=cu)
+            assert torch.allclose(theirs, mine, atol=1e-6)
+
+
+def _thd_params(cu: list[int], padded: list[int] | None = None, **fields) -> PackedSeqParams:
+    tensor = lambda c: None if c is None else torch.tensor(c, dtype=torch.int32)  # noqa: E731
+    return PackedSeqParams(**{"qkv_format": "thd", "cu_seqlens_q": tensor(cu), "cu_seqlens_kv": tensor(cu),
+                              "cu_seqlens_q_padded": tensor(padded), "cu_seqlens_kv_padded": tensor(padded), **fields})
+
+
+def test_packed_params_map_to_ring_sp_boundaries(single_rank) -> None:
+    from ring_sp.integrations.megatron.packed import packed_attention_args
+
+    args = dict(local_len=16, batch=1, sp_group=single_rank, causal=True)
+    # padded boundaries win; zero-length documents drop out; one rank: any layout
+    params = _thd_params([0, 3, 3, 9, 12], [0, 4, 4, 12, 16])
+    assert packed_attention_args(params, layout="contiguous", **args) == ((0, 4, 12, 16), "contiguous")
+    # without padding non-causal attention is fine; sbhd (one row) keeps the plain zigzag of its shards
+    unpadded = packed_attention_args(_thd_params([0, 5, 16]), layout="contiguous", **{**args, "causal": False})
+    assert unpadded == ((0, 5, 16), "contiguous")
+    sbhd = _thd_params([0, 16], qkv_format="sbhd")
+    assert packed_attention_args(sbhd, layout="document_zigzag", **args) == ((0, 16), "zigzag")
+
+
+@pytest.mark.parametrize("params,override,message", [
+    pytest.param(_thd_params([0, 3, 9, 12], [0, 4, 12, 16]), {"causal": False},
+                 r"padding \(packed_seq_params.cu_seqlens_q != cu_seqlens_q_padded\) need causal attention",
+                 id="non-causal-with-padding"),
+    pytest.param(_thd_params([0, 8, 12]), {}, r"cu_seqlens_q runs from 0 to 12; it must run from 0 to the 16 tokens",
+                 id="tokens-after-the-last-document"),
+    pytest.param(_thd_params([0, 8, 16], cu_seqlens_kv=torch.tensor([0, 4, 16], dtype=torch.int32)), {},
+                 r"cu_seqlens_q and cu_seqlens_kv differ", id="q-kv-differ"),
+    pytest.param(_thd_params([0, 5, 9, 12], [0, 4, 12, 16]), {},
+                 r"document 0 has 5 real tokens \(cu_seqlens_q\) but only 4", id="real-longer-than-padded"),
+    pytest.param(_thd_params([0, 16], qkv_format="sbhd"), {"batch": 2}, r"qkv_format='sbhd' with batch size 2",
+                 id="sbhd-batch-2"),
+    pytest.param(_thd_params([0, 16], qkv_format="tbhd"), {}, r"qkv_format='tbhd' is not one of", id="format"),
+    pytest.param(_thd_params([0, 16], local_cp_size=2), {}, r"local_cp_size=2 differs from the context-parallel size 1",
+                 id="dynamic-cp"),
+])
+def test_packed_params_errors_name_the_field(single_rank, params: PackedSeqParams, override: dict,
+                                             message: str) -> None:
+    from ring_sp.integrations.megatron.packed import packed_attention_args
+
+    args = {"local_len": 16, "batch": 1, "sp_group": single_rank, "layout": "contiguous", "causal": True, **override}
+    with pytest.raises(ValueError, match=message):
+        packed_attention_args(params, **args)
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -303,6 +500,13 @@ def test_bad_values_are_refused_by_argparse_naming_the_argument(capsys, argv: li
 def test_bad_combinations_name_the_arguments(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         rsm.validate_ring_sp_args(_parse("--ring-sp", *argv))
+
+
+def test_document_zigzag_is_accepted_with_megatrons_rope() -> None:
+    """Megatron's RoPE slices THD batches per document: document_zigzag needs no layout RoPE."""
+    config = rsm.validate_ring_sp_args(_parse("--ring-sp", "--ring-sp-ulysses-size", "2", "--ring-sp-layout",
+                                              "document_zigzag"))
+    assert config.layout == "document_zigzag" and rsm.unpacked_layout(config.layout) == "zigzag"
 
 
 def test_layout_is_free_when_rope_follows_it_and_ring_inner_fits_a_pure_ring() -> None:
@@ -380,3 +584,14 @@ def test_example_trains_and_resumes_at_another_cp_size(tmp_path: Path) -> None:
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for a, b in zip(first[3:], resumed):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (first, resumed)
+
+
+def test_example_trains_on_packed_documents() -> None:
+    """--pack-documents (one THD row per micro-batch): CP = 4 (U2 x R2) on 4 ranks gives the
+    losses of CP = 1 on one rank."""
+    packed = ("--train-iters", "2", "--pack-documents", "--ring-sp-layout", "document_zigzag")
+    cp4 = _example(4, *packed)
+    cp1 = _example(1, *packed, "--ring-sp-ulysses-size", "1")
+    assert [r["step"] for r in cp4] == [r["step"] for r in cp1] == [1, 2]
+    for a, b in zip(cp4, cp1):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (cp4, cp1)

@@ -5,7 +5,9 @@ ranks). The world is ``TP x CP x DP`` in Megatron's order; ring_sp splits the CP
 into ``--ring-sp-ulysses-size`` x ring. Data: the Python standard library's docstrings as
 byte tokens (``examples/common/data.py``); every rank draws the same batch for a step, DP
 ranks take their slice and CP ranks their shard (Megatron's ``get_batch_on_this_cp_rank``
-for zigzag).
+for zigzag). ``--pack-documents`` trains on whole docstrings instead: each micro-batch is one
+packed THD row (Megatron's packed sequences, ``PackedSeqParams``), every document padded to
+a multiple of 2 x CP and sharded per document (``--ring-sp-layout document_zigzag``).
 
 Megatron pieces used: ``parallel_state``, ``GPTModel`` with the ring_sp layer spec, DDP
 (gradients averaged over DP x CP), and on GPUs ``get_megatron_optimizer``. On CPU,
@@ -36,7 +38,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for common/
 
-from common.data import VOCAB_SIZE, TokenBatches, corpus_tokens, split_corpus  # noqa: E402
+from common.data import (  # noqa: E402
+    VOCAB_SIZE, PackedDocuments, TokenBatches, corpus_documents, corpus_tokens, split_corpus,
+)
 from common.progress import Progress  # noqa: E402
 
 import ring_sp  # noqa: E402
@@ -69,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--clip-grad", type=float, default=1.0)
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--corpus-bytes", type=int, default=4_000_000, help="size of the docstring corpus to load")
+    train.add_argument("--pack-documents", action="store_true",
+                       help="one packed THD row of whole documents per micro-batch, attention inside each "
+                            "(needs --ring-sp-layout document_zigzag at CP > 1)")
     train.add_argument("--bf16", action="store_true", help="bf16 model with fp32 main params (GPU)")
     train.add_argument("--cpu", action="store_true", help="run on CPU ranks over gloo even if CUDA is present")
     io = parser.add_argument_group("checkpoints and logging")
@@ -100,6 +107,14 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         )
     if args.seq_length % (2 * args.context_parallel_size) != 0:
         raise ValueError(f"--seq-length={args.seq_length} must be a multiple of 2 x --context-parallel-size")
+    if args.pack_documents and not args.ring_sp:
+        raise ValueError("--pack-documents needs --ring-sp: megatron-core's local DotProductAttention refuses "
+                         "packed sequences (packed_seq_params)")
+    if args.pack_documents and args.context_parallel_size > 1 and args.ring_sp_layout != "document_zigzag":
+        raise ValueError(
+            f"--pack-documents at --context-parallel-size {args.context_parallel_size} needs --ring-sp-layout "
+            f"document_zigzag (Megatron shards packed THD batches per document); got {args.ring_sp_layout}"
+        )
     if args.bf16 and on_cpu:
         raise ValueError("--bf16 needs CUDA: megatron-core's mixed-precision optimizer creates CUDA tensors")
     if args.ckpt_step is not None and args.load is None:
@@ -148,7 +163,7 @@ def build_model(args: argparse.Namespace, device: torch.device):
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     model = GPTModel(config, spec, vocab_size=VOCAB_SIZE, max_sequence_length=args.seq_length,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
-    if device.type == "cpu" or args.ring_sp_layout != "zigzag":
+    if device.type == "cpu" or ring_sp_megatron.unpacked_layout(args.ring_sp_layout) != "zigzag":
         ring_sp_megatron.install_layout_rope(model, layout=args.ring_sp_layout, device=device)
     model.to(device)
     if args.bf16:
@@ -207,24 +222,46 @@ def shard_batch(args: argparse.Namespace, window: torch.Tensor, device: torch.de
     b = window.shape[0]
     batch = {"tokens": window[:, :-1], "labels": window[:, 1:], "loss_mask": torch.ones(b, args.seq_length),
              "position_ids": torch.arange(args.seq_length).expand(b, -1)}
-    if args.ring_sp_layout == "zigzag":
+    layout = ring_sp_megatron.unpacked_layout(args.ring_sp_layout)
+    if layout == "zigzag":
         batch = get_batch_on_this_cp_rank(batch)  # Megatron's own sharding: ring_sp's zigzag
     else:
         cp = parallel_state.get_context_parallel_world_size()
         rank = parallel_state.get_context_parallel_rank()  # == topology.sp_rank (ulysses_inner)
-        batch = {k: ring_sp.shard_sequence(v, rank=rank, world_size=cp, layout=args.ring_sp_layout)
-                 for k, v in batch.items()}
+        batch = {k: ring_sp.shard_sequence(v, rank=rank, world_size=cp, layout=layout) for k, v in batch.items()}
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def train_step(args: argparse.Namespace, model, optimizer, batch: dict[str, torch.Tensor], step: int,
+def packed_windows(args: argparse.Namespace, num_windows: int, step: int, dp_rank: int, dp_size: int) -> list[int]:
+    """This DP rank's ``--micro-batch-size`` window indices for ``step``: random, the same on
+    every rank for a given (seed, step), so CP ranks shard the same row."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    picks = torch.randint(0, num_windows, (args.micro_batch_size * dp_size,), generator=g)
+    return picks[dp_rank * args.micro_batch_size:(dp_rank + 1) * args.micro_batch_size].tolist()
+
+
+def packed_batch(documents: PackedDocuments, indices: list[int], device: torch.device) -> dict[str, object]:
+    """This CP rank's THD micro-batch: the windows ``indices`` end to end as ONE packed row
+    (Megatron's THD batches have b = 1), documents padded and sharded per document; the
+    ``PackedSeqParams`` under ``packed_seq_params``."""
+    windows = [documents[i] for i in indices]
+    cu_seqlens = [0]
+    for window in windows:
+        cu_seqlens += [cu_seqlens[-1] + int(end) for end in window["cu_seqlens"][1:]]
+    tokens = torch.cat([window["input_ids"] for window in windows])[None].to(device)
+    batch, packed = ring_sp_megatron.thd_batch_on_this_cp_rank(tokens, cu_seqlens)
+    return {**batch, "packed_seq_params": packed}
+
+
+def train_step(args: argparse.Namespace, model, optimizer, batch: dict[str, object], step: int,
                device: torch.device) -> float:
     """One forward/backward/update; returns the loss averaged over DP (the same on every rank)."""
     from megatron.core import parallel_state
 
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])  # [b, s_local]
+    losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=batch.get("packed_seq_params"))  # [b, s_local]
     mask = batch["loss_mask"]
     # Global token mean over the CP group; its backward is scaled by CP to cancel DDP's
     # average over CP (the same correction as Megatron-LM's loss * context_parallel_size).
@@ -317,20 +354,28 @@ def main(argv: list[str] | None = None) -> None:
     start = load_checkpoint(args, model, optimizer) if args.load is not None else 0
 
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    train, _ = split_corpus(corpus_tokens(args.corpus_bytes))
-    batches = TokenBatches(train, args.seq_length + 1, args.micro_batch_size, seed=args.seed)
+    if args.pack_documents:
+        documents = corpus_documents(args.corpus_bytes)
+        windows = PackedDocuments(documents[: int(len(documents) * 0.95)], args.seq_length)  # the rest held out
+    else:
+        train, _ = split_corpus(corpus_tokens(args.corpus_bytes))
+        batches = TokenBatches(train, args.seq_length + 1, args.micro_batch_size, seed=args.seed)
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in model.parameters()) * args.tensor_model_parallel_size
         grid_text = (f"ring_sp {u} x {args.context_parallel_size // u} (ulysses x ring), "
                      f"layout {args.ring_sp_layout}" if args.ring_sp else "no ring_sp")
+        grid_text += ", packed documents (THD)" if args.pack_documents else ""
         print(f"GPT ~{params / 1e6:.2f}M parameters, {dist.get_world_size()} {device.type} ranks = "
               f"TP {args.tensor_model_parallel_size} x CP {args.context_parallel_size} x DP {dp_size}, "
               f"{grid_text}, seq {args.seq_length}", file=sys.stderr)
     progress = Progress(args.train_iters, log_json=args.log_json, enabled=dist.get_rank() == 0, start_step=start)
     tokens_per_step = args.micro_batch_size * dp_size * args.seq_length
     for step in range(start + 1, args.train_iters + 1):
-        window = batches.batch(step, dp_rank=dp_rank, dp_size=dp_size)
-        loss = train_step(args, model, optimizer, shard_batch(args, window, device), step, device)
+        if args.pack_documents:
+            batch = packed_batch(windows, packed_windows(args, len(windows), step, dp_rank, dp_size), device)
+        else:
+            batch = shard_batch(args, batches.batch(step, dp_rank=dp_rank, dp_size=dp_size), device)
+        loss = train_step(args, model, optimizer, batch, step, device)
         progress.step(step, loss, tokens_per_step, lr=round(learning_rate(args, step), 8))
         if args.save is not None and args.save_interval and step % args.save_interval == 0:
             save_checkpoint(args, args.save, step, model, optimizer)

@@ -8,6 +8,8 @@
   arguments on first access, for ``--spec ring_sp.integrations.megatron gpt_layer_ring_sp_spec``.
 * :func:`topology_from_parallel_state`: the ring_sp topology over Megatron's CP group.
 * :func:`install_layout_rope`, :func:`ddp_buffers_on_cpu`: running on CPU ranks (gloo).
+* :func:`thd_batch_on_this_cp_rank`: a packed (THD) batch for one CP rank without
+  TransformerEngine; :class:`RingSPCoreAttention` takes its ``PackedSeqParams``.
 
 Importing this package does not import megatron and has no side effects: the names that
 need megatron-core load their module on first use (PEP 562 ``__getattr__``).
@@ -19,7 +21,7 @@ import importlib
 from typing import Any
 
 from .arguments import add_ring_sp_args, megatron_lm_args, ring_sp_config_from_args, validate_ring_sp_args
-from .config import RingSPConfig
+from .config import RingSPConfig, unpacked_layout
 
 _LAZY = {
     "RingSPCoreAttention": ".core_attention",
@@ -30,6 +32,7 @@ _LAZY = {
     "LayoutRotaryEmbedding": ".rope",
     "install_layout_rope": ".rope",
     "ddp_buffers_on_cpu": ".cpu",
+    "thd_batch_on_this_cp_rank": ".packed",
 }
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "gpt_layer_ring_sp_spec",
     "megatron_lm_args",
     "ring_sp_config_from_args",
+    "unpacked_layout",
     "validate_ring_sp_args",
     *_LAZY,
 ]

@@ -9,7 +9,7 @@ from typing import Any
 from ring_sp.kernels import BACKENDS
 from ring_sp.topology import PLACEMENTS
 
-from .config import MEGATRON_LAYOUTS, RingSPConfig
+from .config import MEGATRON_LAYOUTS, RingSPConfig, unpacked_layout
 
 
 def _positive_int(text: str) -> int:
@@ -37,7 +37,8 @@ def add_ring_sp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--ring-sp-ulysses-size", type=_positive_int, default=1, metavar="U",
                        help="Ulysses degree U; the ring size is --context-parallel-size / U (default 1: pure ring)")
     group.add_argument("--ring-sp-layout", choices=MEGATRON_LAYOUTS, default="zigzag",
-                       help="sequence layout over CP ranks; zigzag is Megatron's get_batch_on_this_cp_rank (default)")
+                       help="sequence layout over CP ranks; zigzag is Megatron's get_batch_on_this_cp_rank (default), "
+                            "document_zigzag its packed-sequence (THD) sharding and zigzag for unpacked batches")
     group.add_argument("--ring-sp-placement", choices=PLACEMENTS, default="ulysses_inner",
                        help="ulysses_inner: each Ulysses group on neighbouring CP ranks (default)")
     group.add_argument("--ring-sp-backend", choices=BACKENDS, default="auto",
@@ -64,8 +65,8 @@ def ring_sp_config_from_args(args: argparse.Namespace, *, rope_follows_layout: b
 
     Raises ``ValueError`` naming the offending argument(s) when the combination cannot
     work: sizes that do not divide, attention dropout (ring attention is exact and has
-    none), per-document attention masks, multi-latent attention, or a non-zigzag layout
-    with Megatron's RoPE, which always slices zigzag by CP rank (pass
+    none), per-document attention masks, multi-latent attention, or a layout Megatron's
+    RoPE does not slice by (zigzag, and per document for packed THD batches: pass
     ``rope_follows_layout=True`` when the model uses :func:`install_layout_rope`).
     Megatron-LM's argument names are read with defaults, so a smaller parser works too.
     """
@@ -87,17 +88,18 @@ def ring_sp_config_from_args(args: argparse.Namespace, *, rope_follows_layout: b
         )
     if _flag(args, "reset_attention_mask", False):
         raise ValueError(
-            "--reset-attention-mask is not supported with --ring-sp: ring_sp attention is causal over the "
-            "whole sequence and ignores per-document masks; drop --reset-attention-mask"
+            "--reset-attention-mask is not supported with --ring-sp: ring_sp ignores attention-mask tensors; "
+            "pack documents as THD batches (packed_seq_params, --ring-sp-layout document_zigzag) instead"
         )
     if _flag(args, "multi_latent_attention", False):
         raise ValueError("--multi-latent-attention is not supported with --ring-sp (its q/k and v head sizes differ)")
     rope = _flag(args, "position_embedding_type") in ("rope", "yarn", "mrope")
-    if config.layout != "zigzag" and rope and not rope_follows_layout:
+    if unpacked_layout(config.layout) != "zigzag" and rope and not rope_follows_layout:
         raise ValueError(
             f"--ring-sp-layout={config.layout} does not match --position-embedding-type="
             f"{args.position_embedding_type}: Megatron's rotary embedding always slices positions in the zigzag "
-            f"layout by CP rank (get_pos_emb_on_this_cp_rank). Use --ring-sp-layout zigzag, or install "
+            f"layout by CP rank (get_pos_emb_on_this_cp_rank; per document for THD batches). Use "
+            f"--ring-sp-layout zigzag or document_zigzag, or install "
             f"ring_sp.integrations.megatron.install_layout_rope on the model as examples/megatron does."
         )
     return config

@@ -12,10 +12,15 @@ from dataclasses import dataclass
 from ring_sp.kernels import BACKENDS
 from ring_sp.topology import PLACEMENTS
 
-# Layouts of an unpacked [b, s] batch. ring_sp's packed-sequence layout (document_zigzag)
-# would arrive through Megatron's packed_seq_params (THD), which RingSPCoreAttention does
-# not accept yet.
-MEGATRON_LAYOUTS = ("zigzag", "contiguous", "striped")
+# document_zigzag is how Megatron shards packed (THD) batches; a batch without documents is
+# one document, for which it is plain zigzag.
+MEGATRON_LAYOUTS = ("zigzag", "contiguous", "striped", "document_zigzag")
+
+
+def unpacked_layout(layout: str) -> str:
+    """The layout of a batch without document boundaries: ``document_zigzag`` of a single
+    document is ``zigzag`` (what ``get_batch_on_this_cp_rank`` and Megatron's RoPE use)."""
+    return "zigzag" if layout == "document_zigzag" else layout
 
 
 def divisors(n: int) -> list[int]:
@@ -29,7 +34,9 @@ class RingSPConfig:
 
     ``ulysses_size`` is ``U``; the ring size is ``context_parallel_size / U``. ``layout``
     is how the sequence is split over the context-parallel ranks: ``zigzag`` is what
-    Megatron's ``get_batch_on_this_cp_rank`` and its RoPE slicing produce.
+    Megatron's ``get_batch_on_this_cp_rank`` and its RoPE slicing produce, and
+    ``document_zigzag`` what its packed-sequence (THD) sharding produces, the same as
+    ``zigzag`` for batches without documents.
     """
 
     ulysses_size: int = 1

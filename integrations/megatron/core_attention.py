@@ -4,8 +4,10 @@ Megatron's ``SelfAttention`` projects q/k/v (heads already split by tensor paral
 applies RoPE to this CP rank's positions and calls ``core_attention(query, key, value,
 attention_mask, attn_mask_type=..., attention_bias=..., packed_seq_params=...)`` with
 ``[s_local, b, heads, head_dim]`` tensors; it expects ``[s_local, b, heads * head_dim]``
-back. Key/value arrive with the (per-TP-rank) query-group count, not expanded: ring_sp
-keeps them that way (only KV heads travel) and expands inside the local kernel.
+back. Packed THD batches come as ``[t_local, heads, head_dim]`` (the batch dim of 1
+squeezed) and go back as ``[t_local, heads * head_dim]`` (:mod:`.packed`). Key/value
+arrive with the (per-TP-rank) query-group count, not expanded: ring_sp keeps them that way
+(only KV heads travel) and expands inside the local kernel.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ring_sp import SequenceParallelTopology, hybrid_attention
 
 from .arguments import megatron_lm_args, ring_sp_config_from_args
-from .config import RingSPConfig
+from .config import RingSPConfig, unpacked_layout
+from .packed import packed_attention_args
 from .topology import topology_from_parallel_state
 
 
@@ -38,8 +41,9 @@ class RingSPCoreAttention(MegatronModule):
     plus, from the spec's params, an optional ``ring_sp_config`` (default: Megatron-LM's
     ``--ring-sp-*`` arguments when running under Megatron-LM, else a pure ring) and an
     optional ``topology`` (default: :func:`topology_from_parallel_state` over
-    ``pg_collection.cp``). Inputs must be sharded in ``ring_sp_config.layout`` by CP rank;
-    zigzag is what ``get_batch_on_this_cp_rank`` produces. No parameters.
+    ``pg_collection.cp``). Inputs must be sharded in ``ring_sp_config.layout`` by CP rank:
+    zigzag is what ``get_batch_on_this_cp_rank`` produces, document_zigzag what
+    ``get_thd_batch_on_this_cp_rank`` produces for packed sequences. No parameters.
     """
 
     def __init__(
@@ -112,33 +116,51 @@ class RingSPCoreAttention(MegatronModule):
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
         """query ``[s, b, h, d]``, key/value ``[s, b, h_kv, d]`` (this CP rank's shard,
-        this TP rank's heads) -> context ``[s, b, h * d]``.
+        this TP rank's heads) -> context ``[s, b, h * d]``; with ``packed_seq_params`` in
+        THD format query ``[t, h, d]``, key/value ``[t, h_kv, d]`` -> ``[t, h * d]``.
 
-        ``attention_mask`` is ignored for the causal mask type (Megatron's causal mask is
-        what the ring computes, as with TransformerEngine); other masks, attention bias
-        and packed sequences are rejected.
+        Packed sequences attend inside their documents (``packed_seq_params``'s padded
+        boundaries when given). ``attention_mask`` is ignored for the causal mask types
+        (Megatron's causal mask is what the ring computes, as with TransformerEngine);
+        other masks and attention bias are rejected.
         """
-        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
-        if packed_seq_params is not None:
-            raise NotImplementedError("packed sequences (packed_seq_params, THD format) are not supported by ring_sp yet")
+        causal = self._causal(self.attn_mask_type if attn_mask_type is None else attn_mask_type, attention_mask,
+                              packed=packed_seq_params is not None)
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by ring_sp attention")
-        if mask_type == AttnMaskType.causal:
-            causal = True
-        elif mask_type == AttnMaskType.no_mask or (mask_type == AttnMaskType.padding and attention_mask is None):
-            causal = False
-        else:
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd and query.dim() != 3:
             raise ValueError(
-                f"attn_mask_type={mask_type.name} with an explicit mask is not supported by ring_sp attention; "
-                f"use AttnMaskType.causal or AttnMaskType.no_mask"
+                f"packed_seq_params.qkv_format='thd' needs query/key/value as [t, heads, head_dim] (Megatron's "
+                f"SelfAttention squeezes the batch dim of 1); got query of shape {tuple(query.shape)}"
             )
-        out = hybrid_attention(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), topology=self.topology,
-            causal=causal, layout=self.ring_sp_config.layout, softmax_scale=self.softmax_scale,
-            backend=self.ring_sp_config.backend,
+        # [s, b, h, d] -> ring_sp's [b, s, h, d]; THD's [t, h, d] is one packed row.
+        q, k, v = (t.unsqueeze(0) if thd else t.transpose(0, 1) for t in (query, key, value))
+        # At CP = 1 every layout is the identity: contiguous has no length constraint.
+        layout = self.ring_sp_config.layout if self.topology.sp_size > 1 else "contiguous"
+        cu_seqlens = None
+        if packed_seq_params is not None:
+            cu_seqlens, layout = packed_attention_args(packed_seq_params, local_len=q.shape[1], batch=q.shape[0],
+                                                       sp_group=self.topology.sp_group, layout=layout, causal=causal)
+        else:
+            layout = unpacked_layout(layout)
+        out = hybrid_attention(q, k, v, topology=self.topology, causal=causal, layout=layout,
+                               softmax_scale=self.softmax_scale, backend=self.ring_sp_config.backend,
+                               cu_seqlens=cu_seqlens)
+        return out.reshape(q.shape[1], -1) if thd else out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    @staticmethod
+    def _causal(mask_type: AttnMaskType, attention_mask: Optional[torch.Tensor], *, packed: bool) -> bool:
+        """Causal or not; TransformerEngine's THD mask types (``padding_causal``/``padding``,
+        the padding given by the packed boundaries) are accepted with packed sequences."""
+        if mask_type == AttnMaskType.causal or (packed and mask_type == AttnMaskType.padding_causal):
+            return True
+        if mask_type == AttnMaskType.no_mask or (mask_type == AttnMaskType.padding and attention_mask is None):
+            return False
+        raise ValueError(
+            f"attn_mask_type={mask_type.name} with an explicit mask is not supported by ring_sp attention; "
+            f"use AttnMaskType.causal or AttnMaskType.no_mask (packed sequences: pass packed_seq_params)"
         )
-        s, b = query.shape[0], query.shape[1]
-        return out.transpose(0, 1).reshape(s, b, -1)
 
     def extra_repr(self) -> str:
         t = self.topology

@@ -7,6 +7,14 @@ but with a pinned CUDA index tensor, and ``RotaryEmbedding.get_emb`` moves its
 frequencies to CUDA: neither runs on a CPU-only machine. :func:`install_layout_rope`
 swaps in this module, which takes the positions from :func:`ring_sp.layout_positions`
 instead: the same numbers for zigzag, any device, and also the other layouts.
+
+Packed (THD) batches: ``GPTModel`` asks for ``packed_seq=True`` angles of the longest
+document (``packed_seq_params.max_seqlen_q``) and does NOT slice them; the attention's
+``apply_rotary_pos_emb(..., cu_seqlens=cu_seqlens_q_padded)`` (``_apply_rotary_pos_emb_thd``,
+plain torch, so it runs on CPU with ``apply_rope_fusion=False``) then takes, for every
+document, this CP rank's zigzag chunks of positions ``0 .. len - 1``: positions restart per
+document, in ring_sp's ``document_zigzag`` order. Here the packed call returns the same
+unsliced table.
 """
 
 from __future__ import annotations
@@ -16,13 +24,18 @@ from torch import nn
 
 from ring_sp import layout_positions
 
+from .config import unpacked_layout
+
 
 class LayoutRotaryEmbedding(nn.Module):
     """Drop-in for a ``GPTModel.rotary_pos_emb`` (plain RoPE) that slices by ``layout``.
 
     ``forward(max_seq_len, offset=0, packed_seq=False, cp_group=None)`` returns this CP
     rank's rotary angles ``[max_seq_len / CP, 1, 1, rotary_dim]`` (the global positions
-    of its shard, in its local order), like Megatron's. Holds no parameters or buffers.
+    of its shard, in its local order), like Megatron's; with ``packed_seq=True`` the angles
+    of positions ``0 .. max_seq_len - 1`` ``[max_seq_len, 1, 1, rotary_dim]``, which
+    Megatron's THD RoPE slices per document and CP rank. ``document_zigzag`` slices
+    unpacked batches as ``zigzag`` (one document). Holds no parameters or buffers.
     """
 
     def __init__(self, rotary: nn.Module, *, layout: str, cp_group: torch.distributed.ProcessGroup | None,
@@ -36,7 +49,7 @@ class LayoutRotaryEmbedding(nn.Module):
         self.layout = layout
         self.cp_group = cp_group
         self.device = torch.device(device)
-        self._last: tuple[tuple[int, int], torch.Tensor] | None = None  # one length per run: cache it
+        self._last: tuple[tuple[int, int, bool], torch.Tensor] | None = None  # one length per run: cache it
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         """The global length to compute RoPE for (Megatron's rule, unchanged)."""
@@ -44,9 +57,7 @@ class LayoutRotaryEmbedding(nn.Module):
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
                 cp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
-        if packed_seq:
-            raise NotImplementedError("packed sequences (THD) are not supported by ring_sp's layout RoPE")
-        if self._last is not None and self._last[0] == (max_seq_len, offset):
+        if self._last is not None and self._last[0] == (max_seq_len, offset, packed_seq):
             return self._last[1]
         rotary = self.rotary
         if rotary.inv_freq.device != self.device:
@@ -57,20 +68,20 @@ class LayoutRotaryEmbedding(nn.Module):
         else:
             emb = torch.cat((freqs, freqs), dim=-1)  # f0 f1 ... f0 f1 ...
         group = cp_group if cp_group is not None else self.cp_group
-        if group is not None and group.size() > 1:
-            positions = layout_positions(self.layout, group.size(), max_seq_len)[group.rank()]
+        if group is not None and group.size() > 1 and not packed_seq:
+            positions = layout_positions(unpacked_layout(self.layout), group.size(), max_seq_len)[group.rank()]
             emb = emb.index_select(0, positions.to(emb.device))
         emb = emb[:, None, None, :]
-        self._last = ((max_seq_len, offset), emb)
+        self._last = ((max_seq_len, offset, packed_seq), emb)
         return emb
 
 
 def install_layout_rope(model: nn.Module, *, layout: str = "zigzag", device: torch.device | str | None = None) -> None:
     """Replace ``model.rotary_pos_emb`` (a megatron-core ``GPTModel``) by :class:`LayoutRotaryEmbedding`.
 
-    Needed on CPU (megatron-core's RoPE calls CUDA) and for layouts other than zigzag; on
-    GPUs with zigzag Megatron's own RoPE gives the same angles. ``device`` defaults to
-    the model's parameters' device.
+    Needed on CPU (megatron-core's RoPE calls CUDA) and for layouts other than zigzag and
+    document_zigzag; on GPUs with those two Megatron's own RoPE gives the same angles.
+    ``device`` defaults to the model's parameters' device.
     """
     rotary = getattr(model, "rotary_pos_emb", None)
     if rotary is None:

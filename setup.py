@@ -38,6 +38,7 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "numpy"],
         "bench": ["matplotlib>=3.5"],
     },
+    entry_points={"console_scripts": ["ring-sp=ring_sp.plan:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

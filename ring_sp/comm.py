@@ -43,7 +43,7 @@ def count_communication() -> Iterator[CommRecord]:
 
     >>> with count_communication() as rec:
     ...     out = ring_attention(q, k, v, causal=True)
-    >>> rec.bytes_sent  # {"ring_p2p": ..., ...}
+    >>> rec.bytes_sent  # {"ring_kv": ..., "ring_dkv": ..., "ulysses_a2a_q": ..., ...}
     """
     record = CommRecord()
     token = _active_record.set(record)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .kernels import softmax_stat_dtype
 from .layouts import Reorder
 from .ring import RingSpec, ring_backward, ring_forward
 from .ulysses import head_to_seq, pack_kv, seq_to_head, unpack_kv, unpack_kv_grads
@@ -52,15 +53,15 @@ class SequenceParallelFunction(torch.autograd.Function):
         dtype = q.dtype
         if ulysses is not None:
             dout = seq_to_head(dout.contiguous(), ulysses.group, ulysses.reorder, "ulysses_a2a_dout")
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring)
+        replicated = ulysses is not None and ctx.kv_heads % ulysses.size != 0
+        acc_dtype = softmax_stat_dtype(dtype)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, acc_dtype if replicated else dtype)
         if ulysses is None:
             return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None
         dq = head_to_seq(dq.to(dtype), ulysses.group, ulysses.reorder, "ulysses_a2a_dq")
-        replicated = ctx.kv_heads % ulysses.size != 0
-        d_packed = torch.cat((dk, dv), dim=2)  # [b, U*n, 2*m, d], the layout unpack_kv split
-        if not replicated:  # one rounding now; the all-to-all moves input-dtype bytes
-            d_packed = d_packed.to(dtype)
+        # [b, U*n, 2*m, d], the layout unpack_kv split. Replicated KV heads: their gradients
+        # travel in fp32 and are summed over the replicas before the single rounding.
+        d_packed = torch.cat((dk, dv), dim=2).to(acc_dtype if replicated else dtype)
         d_packed = head_to_seq(d_packed, ulysses.group, ulysses.reorder, "ulysses_a2a_dkv")
         dk, dv = unpack_kv_grads(d_packed, ctx.kv_heads, ulysses.size)
         return dq, dk.to(dtype), dv.to(dtype), None, None
-

@@ -17,7 +17,7 @@ from .comm import PendingExchange, RingComm
 from .kernels import AttentionKernel, softmax_stat_dtype
 from .merge import merge_block_
 from .layouts import Boundaries
-from .schedule import step_tasks
+from .schedule import BlockTask, step_tasks
 
 
 class RingSpec:
@@ -37,6 +37,9 @@ class RingSpec:
             step_tasks(layout, causal, self.rank, (self.rank - step) % self.world_size, self.world_size, local_len, cu_seqlens)
             for step in range(self.world_size)
         )
+        # One rank whose blocks never share a query row: nothing to merge, so no fp32
+        # accumulators (the Ulysses-only case; documents give one block per document).
+        self.local = self.world_size == 1 and _rows_disjoint(self.schedule[0])
 
     def steps(self):
         """(step, tasks) for every step of the ring."""
@@ -45,6 +48,16 @@ class RingSpec:
     def rotate(self, send: torch.Tensor, recv: torch.Tensor, kind: str) -> PendingExchange:
         assert self.comm is not None  # only called when world_size > 1
         return self.comm.exchange(send, recv, kind)
+
+
+def _rows_disjoint(tasks: tuple[BlockTask, ...]) -> bool:
+    spans = sorted((t.q.start, t.q.stop) for t in tasks)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def _covers(task: BlockTask, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The block is the whole local problem (one kernel call does everything)."""
+    return task.q == slice(0, q.shape[1]) and task.kv == slice(0, k.shape[1])
 
 
 def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -58,13 +71,13 @@ def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]`` (this rank's shards) -> out ``[b, n, h, d]``
     in q's dtype and lse ``[b, h, n]`` (float32; float64 for float64 inputs)."""
+    if spec.local:
+        return _local_forward(q, k, v, spec)
     b, n, h, d = q.shape
     acc_dtype = softmax_stat_dtype(q.dtype)
     out = torch.zeros((b, n, h, d), dtype=acc_dtype, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc_dtype, device=q.device)
-    many = spec.world_size > 1
-    kv = _pack_kv(k, v) if many else (k, v)
-    kv_next = torch.empty_like(kv) if many else None
+    kv, kv_next = _pack_kv(k, v), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
     for step, tasks in spec.steps():
         pending = spec.rotate(kv, kv_next, "ring_kv") if step + 1 < spec.world_size else None
         written: list[slice] = []  # rows filled at step 0: a first write is a copy, not a merge
@@ -84,6 +97,21 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
     return out.to(q.dtype), lse
 
 
+def _local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ring_forward` on one rank: each block's result goes straight to the output."""
+    (tasks,) = spec.schedule
+    if len(tasks) == 1 and _covers(tasks[0], q, k):
+        out, lse = spec.kernel.forward(q, k, v, causal=tasks[0].causal, scale=spec.scale)
+        return out.to(q.dtype), lse
+    out = torch.zeros_like(q)  # rows no block covers (none see a key) stay 0 with lse -inf
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=softmax_stat_dtype(q.dtype), device=q.device)
+    for task in tasks:
+        out_b, lse_b = spec.kernel.forward(q[:, task.q], k[:, task.kv], v[:, task.kv], causal=task.causal, scale=spec.scale)
+        out[:, task.q] = out_b
+        lse[:, :, task.q] = lse_b
+    return out, lse
+
+
 def ring_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -92,24 +120,31 @@ def ring_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     spec: RingSpec,
+    deliver_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients for this rank's shards: dq ``[b, n, h, d]``, dk/dv ``[b, n, h_kv, d]``,
-    given the global ``out`` and ``lse`` from :func:`ring_forward`. They are returned in
-    the float32 (float64) accumulator dtype: the caller casts once, after any further
-    reduction (Ulysses sums replicated KV-head gradients), so nothing is rounded twice."""
+    given the global ``out`` and ``lse`` from :func:`ring_forward`.
+
+    dK/dV accumulate in float32 (float64) while they travel; their LAST hop home carries
+    the finished sum in ``deliver_dtype`` (the input dtype: half the bytes for bf16, and
+    the same single rounding the caller would do; float32 when the caller sums them
+    further, as Ulysses does for replicated KV heads). dq comes back unrounded (float32,
+    or the kernel's dtype on one rank): the caller casts once.
+    """
+    if spec.local:
+        return _local_backward(dout, q, k, v, out, lse, spec)
     acc_dtype = softmax_stat_dtype(q.dtype)
-    many = spec.world_size > 1
     # Accumulators are allocated explicitly: ``x.to(torch.float32)`` would alias an fp32 x.
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dkv = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device)
-    dkv_next = torch.empty_like(dkv) if many else None
-    kv = _pack_kv(k, v) if many else (k, v)
-    kv_next = torch.empty_like(kv) if many else None
+    dkv_next = torch.empty_like(dkv)
+    kv, kv_next = _pack_kv(k, v), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
     dout = dout.contiguous()
     kv_pending: PendingExchange | None = None
     dkv_pending: PendingExchange | None = None
+    last = spec.world_size - 1
     for step, tasks in spec.steps():
-        if step + 1 < spec.world_size:
+        if step < last:
             kv_pending = spec.rotate(kv, kv_next, "ring_kv")
         grads = [
             (
@@ -128,16 +163,40 @@ def ring_backward(
             dq[:, task.q] += dq_b
             dkv[0][:, task.kv] += dk_b
             dkv[1][:, task.kv] += dv_b
-        if many:  # pass the accumulator on with its KV; after R sends it is home
+        if step < last:  # pass the accumulator on with its KV
             dkv_pending = spec.rotate(dkv, dkv_next, "ring_dkv")
         if kv_pending is not None:
             kv_pending.wait()
             kv, kv_next = kv_next, kv
             kv_pending = None
-    if dkv_pending is not None:
-        dkv_pending.wait()
-        dkv = dkv_next
-    return dq, dkv[0], dkv[1]
+    # After R - 1 hops every accumulator holds all its contributions; one more takes it home.
+    home = torch.empty(dkv.shape, dtype=deliver_dtype, device=dkv.device)
+    send = dkv if deliver_dtype == acc_dtype else dkv.to(deliver_dtype)
+    spec.rotate(send, home, "ring_dkv").wait()
+    return dq, home[0], home[1]
+
+
+def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`ring_backward` on one rank: the kernel's gradients, accumulated only when the
+    blocks share keys (documents: one block per document, so they do not)."""
+    (tasks,) = spec.schedule
+    if len(tasks) == 1 and _covers(tasks[0], q, k):
+        return spec.kernel.backward(dout, q, k, v, out, lse, causal=tasks[0].causal, scale=spec.scale)
+    acc_dtype = softmax_stat_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    dout = dout.contiguous()
+    for task in tasks:
+        dq_b, dk_b, dv_b = spec.kernel.backward(
+            dout[:, task.q], q[:, task.q], k[:, task.kv], v[:, task.kv], out[:, task.q],
+            lse[:, :, task.q].contiguous(), causal=task.causal, scale=spec.scale,
+        )
+        dq[:, task.q] += dq_b
+        dk[:, task.kv] += dk_b
+        dv[:, task.kv] += dv_b
+    return dq, dk, dv
 
 
 def ring_comm_for(group: dist.ProcessGroup | None) -> RingComm | None:

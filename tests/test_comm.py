@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import ring_sp
+from ring_sp.planner import layer_bytes  # DESIGN section 5 as implemented; test_plan checks it by hand
 
 # isend/irecv are not wrapped: P2POp checks them by identity (batch_isend_irecv counts them)
 _COLLECTIVES = ("batch_isend_irecv", "send", "recv", "all_to_all_single", "all_to_all",
@@ -53,26 +54,6 @@ def measure(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, dtype: st
             "first_calls": dict(first_calls)}
 
 
-def expected_bytes(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, elem: int) -> tuple[dict, dict]:
-    """DESIGN.md section 5, per rank per layer, n = local tokens (N / P)."""
-    m = h_kv // u if h_kv % u == 0 else 1  # KV heads per Ulysses rank (replicated when U > h_kv)
-    a2a = (u - 1) / u  # the share of an all-to-all that leaves the rank
-    ring_tokens = n * u  # after the all-to-all a ring rank holds U shards
-    kv_block = 2 * b * ring_tokens * m * d  # k and v elements of one ring shard
-    replicated = h_kv % u != 0
-    fwd, bwd = {}, {}
-    if u > 1:
-        fwd["ulysses_a2a_q"] = fwd["ulysses_a2a_out"] = int(b * n * h * d * a2a) * elem
-        fwd["ulysses_a2a_kv"] = int(b * n * u * 2 * m * d * a2a) * elem
-        bwd["ulysses_a2a_dout"] = bwd["ulysses_a2a_dq"] = fwd["ulysses_a2a_q"]
-        bwd["ulysses_a2a_dkv"] = int(b * n * u * 2 * m * d * a2a) * (4 if replicated else elem)  # fp32 replica sums
-    if r > 1:
-        fwd["ring_kv"] = (r - 1) * kv_block * elem
-        bwd["ring_kv"] = (r - 1) * kv_block * elem
-        bwd["ring_dkv"] = r * kv_block * 4  # fp32 accumulators travel with their KV
-    return fwd, bwd
-
-
 @pytest.mark.parametrize("u,r,h,h_kv,dtype", [
     (1, 4, 8, 2, "bfloat16"), (4, 1, 8, 2, "bfloat16"), (2, 2, 8, 2, "bfloat16"),
     (2, 2, 8, 1, "float32"), (4, 1, 4, 4, "float32"),
@@ -80,7 +61,8 @@ def expected_bytes(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, el
 def test_bytes_and_calls_match_the_design(pools, u: int, r: int, h: int, h_kv: int, dtype: str) -> None:
     b, n, d = 2, 8, 16
     results = pools.get(4).run(measure, u, r, b, n, h, h_kv, d, dtype)
-    fwd, bwd = expected_bytes(u, r, b, n, h, h_kv, d, 2 if dtype == "bfloat16" else 4)
+    fwd, bwd = layer_bytes(ulysses=u, ring=r, batch=b, local_len=n, heads=h, kv_heads=h_kv, head_dim=d,
+                           dtype="bf16" if dtype == "bfloat16" else "fp32")
     for res in results:
         assert res["fwd"] == fwd and res["bwd"] == bwd
         # nothing but the designed collectives: R-1 (fwd) / 2R-1 (bwd) exchanges, 3 all-to-alls each way

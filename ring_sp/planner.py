@@ -1,0 +1,389 @@
+"""The performance model behind ``ring-sp plan`` (DESIGN.md sections 5 and 8).
+
+Given a cluster, a model and a sequence, :func:`plan` lists every ``U x R`` split of the
+sequence-parallel degree that ring_sp can run, with placement and layout, and models
+for each one, per rank and per attention layer:
+
+* bytes sent, per kind of call, exactly as :func:`ring_sp.count_communication` records
+  them (:func:`layer_bytes`; the benchmark and ``tests/test_plan.py`` check this against
+  real runs);
+* time: the Ulysses all-to-alls (not overlapped) plus the ring, whose steps run in
+  lockstep, each lasting ``max(compute, transfer)`` when the next exchange is in flight
+  during the current compute (the overlap of DESIGN.md section 4);
+* activation memory kept for backward over all layers, and the ring's working buffers.
+
+Bandwidth-only model: per-message latency and kernel launch overheads are ignored, which
+is accurate for the long sequences sequence parallelism is for. The CLI's defaults are
+nominal datasheet figures (:mod:`ring_sp.plan`); pass measured ones (nccl-tests bus
+bandwidth, a flash-attention benchmark) for real predictions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import check_ulysses_heads
+from .kernels import softmax_stat_dtype
+from .layouts import check_layout, ulysses_to_ring_order
+from .schedule import ring_step_tasks
+from .topology import PLACEMENTS, rank_grid
+from .ulysses import kv_heads_per_rank
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64,
+          "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+# FlashAttention-2 backward does 5 matmuls of the forward's size to the forward's 2 (Dao 2023).
+BACKWARD_FLOP_RATIO = 2.5
+# Korthikanti et al. 2022 (arXiv:2205.05198) eq. 1: a transformer layer keeps s*b*h*(34 + 5*a*s/h)
+# bytes of 16-bit activations for backward; flash attention never stores the 5*a*s/h score terms.
+LAYER_ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
+
+
+class PlanError(ValueError):
+    """The request cannot be planned; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``world_size`` GPUs, ``gpus_per_node`` per node; ``flops``: achieved attention FLOP/s
+    per GPU; ``intra_bw`` / ``inter_bw``: bytes/s per GPU per direction inside / across nodes."""
+
+    world_size: int
+    gpus_per_node: int
+    flops: float
+    intra_bw: float
+    inter_bw: float
+    memory_bytes: float = math.inf
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The attention of one transformer layer (q and KV heads, head size), the hidden size
+    and the number of layers."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    layers: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One sample of ``seq_len`` tokens (``batch`` of them) over ``sp_size`` ranks (None = all)."""
+
+    seq_len: int
+    batch: int = 1
+    dtype: str = "bf16"
+    causal: bool = True
+    sp_size: int | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One ``U x R`` configuration and what the model says about it (per rank, per layer
+    unless named otherwise; seconds and bytes)."""
+
+    ulysses: int
+    ring: int
+    placement: str
+    layout: str
+    bytes_fwd: dict[str, int]
+    bytes_bwd: dict[str, int]
+    ulysses_link: str  # "intra", "inter" or "-" (no Ulysses)
+    ring_link: str
+    ring_chunk: int  # tokens each ring rank holds after the all-to-all: N / R
+    min_chunk_fwd: int  # the ring chunk at which a forward / backward step hides its transfer
+    min_chunk_bwd: int
+    hides_fwd: bool
+    hides_bwd: bool
+    a2a_fwd_s: float
+    a2a_bwd_s: float
+    ring_fwd_s: float
+    ring_bwd_s: float
+    activation_bytes: float  # all layers' tensors kept for backward
+    working_bytes: float  # ring buffers and fp32 accumulators of the attention being computed
+    notes: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"U={self.ulysses} x R={self.ring}"
+
+    @property
+    def layer_s(self) -> float:
+        """Modelled forward + backward attention time of one layer."""
+        return self.a2a_fwd_s + self.ring_fwd_s + self.a2a_bwd_s + self.ring_bwd_s
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_fwd.values()) + sum(self.bytes_bwd.values())
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.activation_bytes + self.working_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    cluster: Cluster
+    model: ModelShape
+    workload: Workload
+    sp_size: int
+    candidates: tuple[Candidate, ...]  # fastest first
+    recommended: Candidate
+    warnings: tuple[str, ...] = field(default=())
+
+
+def dtype_bytes(dtype: str) -> tuple[int, int]:
+    """(element bytes, bytes of the softmax-statistics / gradient-accumulator dtype)."""
+    if dtype not in DTYPES:
+        raise PlanError(f"dtype={dtype!r} is not one of {sorted(set(DTYPES))}")
+    torch_dtype = DTYPES[dtype]
+    return torch_dtype.itemsize, softmax_stat_dtype(torch_dtype).itemsize
+
+
+def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
+                dtype: str) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes ONE rank sends in one attention layer, forward and backward, keyed by the kinds
+    :func:`ring_sp.count_communication` records (DESIGN.md section 5 as implemented).
+
+    ``local_len`` = N / (U * R) tokens per rank. Ulysses: each all-to-all keeps ``1/U`` of its
+    input; KV heads travel packed, replicated when ``U > kv_heads`` (their gradients then
+    return in fp32). Ring: ``R - 1`` exchanges of the packed ``[k; v]`` shard of ``N / R``
+    tokens forward and backward, plus ``R`` exchanges of its ``[dk; dv]`` accumulator: fp32
+    while it collects, the input dtype on the last hop home (fp32 again when replicated).
+    """
+    elem, acc = dtype_bytes(dtype)
+    m = kv_heads_per_rank(kv_heads, ulysses)
+    replicated = kv_heads % ulysses != 0
+
+    def a2a(elements: int, size: int) -> int:  # elements divide by U: heads were split U ways
+        return elements * (ulysses - 1) // ulysses * size
+
+    fwd: dict[str, int] = {}
+    bwd: dict[str, int] = {}
+    if ulysses > 1:
+        q_elems = batch * local_len * heads * head_dim
+        kv_elems = batch * local_len * ulysses * 2 * m * head_dim  # packed [k; v], per destination
+        fwd["ulysses_a2a_q"] = fwd["ulysses_a2a_out"] = a2a(q_elems, elem)
+        fwd["ulysses_a2a_kv"] = a2a(kv_elems, elem)
+        bwd["ulysses_a2a_dout"] = bwd["ulysses_a2a_dq"] = a2a(q_elems, elem)
+        bwd["ulysses_a2a_dkv"] = a2a(kv_elems, acc if replicated else elem)
+    if ring > 1:
+        kv_shard = 2 * batch * local_len * ulysses * m * head_dim
+        fwd["ring_kv"] = bwd["ring_kv"] = (ring - 1) * kv_shard * elem
+        bwd["ring_dkv"] = (ring - 1) * kv_shard * acc + kv_shard * (acc if replicated else elem)
+    return fwd, bwd
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a grid's groups fall on the nodes: which link each dimension's slowest pair uses
+    ('intra', 'inter' or '-' when absent), and every (intra-node, inter-node) peer count a
+    Ulysses rank has."""
+
+    ulysses_link: str
+    ring_link: str
+    peer_mixes: frozenset[tuple[int, int]]
+
+    @staticmethod
+    def of(ulysses: int, ring: int, placement: str, cluster: Cluster) -> _Placement:
+        grid = rank_grid(cluster.world_size, ulysses, ring, placement)
+
+        def nodes(group: list[int]) -> list[int]:
+            return [p // cluster.gpus_per_node for p in group]
+
+        def link(groups: list[list[int]]) -> str:  # a ring's neighbours are among its group's pairs
+            return "-" if len(groups[0]) == 1 else "inter" if any(len(set(nodes(g))) > 1 for g in groups) else "intra"
+
+        mixes = frozenset((at.count(mine) - 1, len(at) - at.count(mine))
+                          for at in map(nodes, grid.ulysses_groups) for mine in at)
+        return _Placement(link(grid.ulysses_groups), link(grid.ring_groups), mixes)
+
+    def a2a_seconds(self, nbytes: int, cluster: Cluster) -> float:
+        """An all-to-all in which every rank sends ``nbytes`` in equal parts to its peers;
+        intra- and inter-node peers use separate links, the slowest rank sets the time."""
+        local, remote = next(iter(self.peer_mixes))
+        per_peer = nbytes / (local + remote)  # every rank has U - 1 peers
+        return max(max(local * per_peer / cluster.intra_bw, remote * per_peer / cluster.inter_bw)
+                   for local, remote in self.peer_mixes)
+
+
+def _step_pairs(layout: str, causal: bool, ring: int, chunk: int) -> list[int]:
+    """(query, key) pairs the slowest ring rank computes at each step. The ring runs in
+    lockstep (a step's KV comes from the predecessor's previous step), so a step lasts as
+    long as its slowest rank; for every built-in layout ranks 0 and R-1 are the extremes."""
+    return [
+        max(sum(t.visible_pairs() for t in ring_step_tasks(layout, causal, r, (r - step) % ring, chunk))
+            for r in {0, ring - 1})
+        for step in range(ring)
+    ]
+
+
+def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cluster, model: ModelShape,
+               work: Workload, sp_size: int) -> Candidate:
+    elem, acc = dtype_bytes(work.dtype)
+    b, d = work.batch, model.head_dim
+    local_len, chunk = work.seq_len // sp_size, work.seq_len // ring
+    heads_here, m = model.heads // ulysses, kv_heads_per_rank(model.kv_heads, ulysses)
+    fwd_bytes, bwd_bytes = layer_bytes(ulysses=ulysses, ring=ring, batch=b, local_len=local_len, heads=model.heads,
+                                       kv_heads=model.kv_heads, head_dim=d, dtype=work.dtype)
+    where = _Placement.of(ulysses, ring, placement, cluster)
+    ring_bw = cluster.inter_bw if where.ring_link == "inter" else cluster.intra_bw
+    a2a_fwd, a2a_bwd = (sum(where.a2a_seconds(v, cluster) for k, v in sent.items() if k.startswith("ulysses"))
+                        for sent in (fwd_bytes, bwd_bytes))
+
+    kv_shard = 2 * b * chunk * m * d  # elements of one packed [k; v] ring message
+    kv_s, dkv_s = kv_shard * elem / ring_bw, kv_shard * acc / ring_bw
+    flops_per_pair = 4 * d * heads_here * b  # q.k and p.v over every local head (DESIGN section 8)
+    compute = [pairs * flops_per_pair / cluster.flops for pairs in _step_pairs(layout, work.causal, ring, chunk)]
+    fwd_steps = [max(c, kv_s) for c in compute[:-1]] + [compute[-1]]
+    bwd_steps = [max(BACKWARD_FLOP_RATIO * c, kv_s + dkv_s) for c in compute[:-1]] + [BACKWARD_FLOP_RATIO * compute[-1]]
+    ring_bwd = sum(bwd_steps) + (dkv_s if ring > 1 else 0.0)  # the last [dk; dv] goes home after the compute
+    # Transfer time grows as c and compute as c^2: a step hides its transfer from this chunk on
+    # (DESIGN section 8: c >= (F/B) (H_kv/H) (bytes/2) per full step, twice that per causal half step).
+    hardest = min(compute[:-1], default=0.0)  # the overlapped step with the least compute
+    # (rounded first: float noise must not turn an exact 4945.0 into 4946)
+    min_fwd = math.ceil(round(kv_s * chunk / hardest, 6)) if ring > 1 else 0
+    min_bwd = math.ceil(round((kv_s + dkv_s) * chunk / (BACKWARD_FLOP_RATIO * hardest), 6)) if ring > 1 else 0
+
+    n_tokens = b * local_len
+    layer_act = LAYER_ACTIVATION_BYTES_PER_TOKEN_HIDDEN * n_tokens * model.hidden * elem / 2
+    saved = n_tokens * model.heads * acc  # lse [b, H/U, N/R] in fp32
+    if ulysses > 1:  # the head-sharded copies of q, out and k/v that the attention saves
+        saved += (2 * n_tokens * model.heads * d + 2 * b * chunk * m * d) * elem
+    buffers = 2 if ring > 1 else 0  # double-buffered ring messages
+    accumulator = b * chunk * heads_here * d * acc  # fp32 out (forward) or dq (backward)
+    working = accumulator + buffers * kv_shard * elem + max(buffers, 1) * kv_shard * acc
+
+    notes = []
+    if where.ulysses_link == "inter":
+        notes.append("Ulysses all-to-all crosses nodes")
+    if model.kv_heads % ulysses != 0:
+        notes.append(f"KV heads replicated {ulysses // model.kv_heads}x")
+    if layout == "contiguous" and work.causal and ring > 1:
+        notes.append("causal work unbalanced (~2x)")
+    return Candidate(
+        ulysses, ring, placement, layout, fwd_bytes, bwd_bytes, where.ulysses_link, where.ring_link, chunk, min_fwd,
+        min_bwd,
+        hides_fwd=ring == 1 or hardest >= kv_s, hides_bwd=ring == 1 or BACKWARD_FLOP_RATIO * hardest >= kv_s + dkv_s,
+        a2a_fwd_s=a2a_fwd, a2a_bwd_s=a2a_bwd, ring_fwd_s=sum(fwd_steps), ring_bwd_s=ring_bwd,
+        activation_bytes=model.layers * (layer_act + saved), working_bytes=working, notes=tuple(notes),
+    )
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name.replace('_', '-')}={value!r} must be a positive integer")
+
+
+def _layout_for(layout: str, causal: bool, ulysses: int, ring: int, seq_len: int) -> str:
+    """The layout a candidate uses (``auto``: zigzag for causal attention where the length
+    allows, else striped or contiguous); raises ValueError with the reason if none works."""
+    sp = ulysses * ring
+    if layout == "auto":
+        options = ("zigzag", "striped", "contiguous") if causal else ("contiguous",)
+        reasons = []
+        for option in options:
+            try:
+                return _layout_for(option, causal, ulysses, ring, seq_len)
+            except ValueError as exc:
+                reasons.append(str(exc))
+        raise ValueError(reasons[0])
+    check_layout(layout, sp, seq_len, name="seq-len")
+    ulysses_to_ring_order(layout, ulysses, ring, 2 * sp, 0)  # raises for striped on a U > 1, R > 1 grid
+    return layout
+
+
+def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | None = None,
+         placement: str | None = None, layout: str = "auto") -> Plan:
+    """Every runnable ``U x R`` (``ulysses`` / ``placement`` pin them), modelled, fastest first.
+
+    Raises :class:`PlanError` naming the problem when nothing can run.
+    """
+    sp = work.sp_size if work.sp_size is not None else cluster.world_size
+    _positive(world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node, sp_size=sp, heads=model.heads,
+              kv_heads=model.kv_heads, head_dim=model.head_dim, hidden=model.hidden, layers=model.layers,
+              seq_len=work.seq_len, batch=work.batch)
+    dtype_bytes(work.dtype)
+    if cluster.world_size % sp != 0:
+        raise PlanError(f"sp-size={sp} does not divide world-size={cluster.world_size}: the world is split into "
+                        f"data-parallel replicas of sp-size ranks; choose a divisor of {cluster.world_size}")
+    if cluster.world_size > cluster.gpus_per_node and cluster.world_size % cluster.gpus_per_node != 0:
+        raise PlanError(f"world-size={cluster.world_size} is not a whole number of nodes of "
+                        f"gpus-per-node={cluster.gpus_per_node}")
+    if model.heads % model.kv_heads != 0:
+        raise PlanError(f"heads={model.heads} must be a multiple of kv-heads={model.kv_heads} (GQA/MQA groups)")
+    if layout == "auto" and work.seq_len % sp != 0:
+        raise PlanError(f"seq-len={work.seq_len} must be a multiple of the SP degree {sp} (of {2 * sp} for the zigzag "
+                        f"layout); pad the sequence to a multiple of {2 * sp}")
+    if layout != "auto":
+        try:
+            check_layout(layout, sp, work.seq_len, name="seq-len")
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+    if placement is not None and placement not in PLACEMENTS:
+        raise PlanError(f"placement={placement!r} is not one of {PLACEMENTS}")
+    if ulysses is not None:
+        _positive(ulysses=ulysses)
+        if sp % ulysses != 0:
+            raise PlanError(f"ulysses={ulysses} must divide the SP degree {sp} (ring size = {sp} / ulysses)")
+        try:
+            check_ulysses_heads(model.heads, model.kv_heads, ulysses)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        if placement == "ulysses_inner" and _Placement.of(ulysses, sp // ulysses, placement,
+                                                          cluster).ulysses_link == "inter":
+            raise PlanError(f"ulysses={ulysses} with placement ulysses_inner does not fit in a node of "
+                            f"{cluster.gpus_per_node} GPUs: its all-to-all would cross nodes; use a ulysses size "
+                            f"dividing {cluster.gpus_per_node}, or placement ring_inner")
+
+    candidates, skipped = [], []
+    for u in ([ulysses] if ulysses is not None else [u for u in range(1, sp + 1) if sp % u == 0]):
+        r = sp // u
+        try:
+            if u > 1:
+                check_ulysses_heads(model.heads, model.kv_heads, u)
+            chosen = _layout_for(layout, work.causal, u, r, work.seq_len)
+        except ValueError as exc:
+            skipped.append(f"U={u} x R={r}: {exc}")
+            continue
+        options = [_candidate(u, r, p, chosen, cluster, model, work, sp) for p in ([placement] if placement else
+                   PLACEMENTS if u > 1 and r > 1 else ["ulysses_inner"])]
+        # placements that put every group on the same links (one node, say) are one candidate: the default
+        same = [(c.ulysses_link, c.ring_link, c.layer_s) for c in options]
+        candidates += [c for i, c in enumerate(options) if same[i] not in same[:i]]
+    if not candidates:
+        raise PlanError("no U x R split can run this request:\n  " + "\n  ".join(skipped))
+
+    candidates.sort(key=lambda c: c.layer_s)
+    # Within 1% of the fastest, the model cannot tell: prefer fewer bytes, then the default placement.
+    close = [c for c in candidates if c.layer_s <= 1.01 * candidates[0].layer_s]
+    best = min(close, key=lambda c: (c.total_bytes, c.placement != "ulysses_inner"))
+    warnings = _warnings(candidates, best, cluster, pinned=ulysses is not None)
+    if layout == "auto" and work.causal and work.seq_len % (2 * sp) != 0:
+        warnings.append(f"seq-len={work.seq_len} is not a multiple of 2 x SP = {2 * sp}, so zigzag is impossible: "
+                        f"grids fall back to contiguous (unbalanced causal work); pad to a multiple of {2 * sp}")
+    return Plan(cluster, model, work, sp, tuple(candidates), best, tuple(warnings))
+
+
+def _warnings(candidates: list[Candidate], best: Candidate, cluster: Cluster, pinned: bool) -> list[str]:
+    warnings = []
+    if not pinned and all(c.ulysses == 1 for c in candidates) and not (best.hides_fwd and best.hides_bwd):
+        warnings.append(
+            f"only the pure ring can run (no Ulysses size > 1 splits the heads), and its steps do not hide their "
+            f"communication: each ring rank holds {best.ring_chunk} tokens, hiding needs >= {best.min_chunk_fwd} "
+            f"(forward) / {best.min_chunk_bwd} (backward). Still exact, just communication-bound; longer sequences "
+            f"or a smaller SP degree help")
+    elif any(c.ring > 1 for c in candidates) and not any(c.hides_fwd and c.hides_bwd for c in candidates):
+        warnings.append("no candidate with a ring hides its communication at this sequence length")
+    if best.memory_bytes > cluster.memory_bytes:
+        warnings.append(
+            f"the recommended split keeps {best.memory_bytes / 2**30:.1f} GiB of activations per GPU, more than its "
+            f"{cluster.memory_bytes / 2**30:.0f} GiB (weights and optimizer state not counted): raise the SP degree "
+            f"or recompute activations")
+    return warnings

@@ -1,0 +1,1 @@
+"""ring_sp benchmarks: ``python -m benchmarks --help`` (see docs/benchmarks.md)."""

@@ -562,7 +562,9 @@ def test_package_import_has_no_megatron_side_effects() -> None:
 
 
 def _example(nproc: int, *extra: str) -> list[dict]:
-    env = {**os.environ, "NUM_RANKS": str(nproc), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # PYTHON: this interpreter (CI runs the suite from a venv it never activates)
+    env = {**os.environ, "NUM_RANKS": str(nproc), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHON": sys.executable}
     result = subprocess.run(
         ["bash", "examples/megatron/pretrain_gpt.sh", "--cpu", "--log-json", "--num-layers", "2", "--hidden-size", "64",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "128",

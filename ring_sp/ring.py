@@ -60,6 +60,19 @@ def _covers(task: BlockTask, q: torch.Tensor, k: torch.Tensor) -> bool:
     return task.q == slice(0, q.shape[1]) and task.kv == slice(0, k.shape[1])
 
 
+def _block_forward(spec: RingSpec, task: BlockTask, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on one block: ``task``'s query rows of ``q`` against its keys of ``k``/``v``."""
+    return spec.kernel.forward(q[:, task.q], k[:, task.kv], v[:, task.kv], causal=task.causal, scale=spec.scale)
+
+
+def _block_backward(spec: RingSpec, task: BlockTask, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernel's gradients of one block, given the global ``out`` and ``lse`` rows."""
+    return spec.kernel.backward(dout[:, task.q], q[:, task.q], k[:, task.kv], v[:, task.kv], out[:, task.q],
+                                lse[:, :, task.q], causal=task.causal, scale=spec.scale)
+
+
 def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """One ``[2, b, s, h_kv, d]`` buffer, so each step sends one message, not two."""
     packed = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
@@ -82,9 +95,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
         pending = spec.rotate(kv, kv_next, "ring_kv") if step + 1 < spec.world_size else None
         written: list[slice] = []  # rows filled at step 0: a first write is a copy, not a merge
         for task in tasks:
-            out_b, lse_b = spec.kernel.forward(
-                q[:, task.q], kv[0][:, task.kv], kv[1][:, task.kv], causal=task.causal, scale=spec.scale
-            )
+            out_b, lse_b = _block_forward(spec, task, q, kv[0], kv[1])
             if step == 0 and all(task.q.stop <= w.start or task.q.start >= w.stop for w in written):
                 out[:, task.q].copy_(out_b)
                 lse[:, :, task.q].copy_(lse_b)
@@ -101,12 +112,12 @@ def _local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Ring
     """:func:`ring_forward` on one rank: each block's result goes straight to the output."""
     (tasks,) = spec.schedule
     if len(tasks) == 1 and _covers(tasks[0], q, k):
-        out, lse = spec.kernel.forward(q, k, v, causal=tasks[0].causal, scale=spec.scale)
+        out, lse = _block_forward(spec, tasks[0], q, k, v)
         return out.to(q.dtype), lse
     out = torch.zeros_like(q)  # rows no block covers (none see a key) stay 0 with lse -inf
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=softmax_stat_dtype(q.dtype), device=q.device)
     for task in tasks:
-        out_b, lse_b = spec.kernel.forward(q[:, task.q], k[:, task.kv], v[:, task.kv], causal=task.causal, scale=spec.scale)
+        out_b, lse_b = _block_forward(spec, task, q, k, v)
         out[:, task.q] = out_b
         lse[:, :, task.q] = lse_b
     return out, lse
@@ -146,16 +157,7 @@ def ring_backward(
     for step, tasks in spec.steps():
         if step < last:
             kv_pending = spec.rotate(kv, kv_next, "ring_kv")
-        grads = [
-            (
-                task,
-                spec.kernel.backward(
-                    dout[:, task.q], q[:, task.q], kv[0][:, task.kv], kv[1][:, task.kv],
-                    out[:, task.q], lse[:, :, task.q].contiguous(), causal=task.causal, scale=spec.scale,
-                ),
-            )
-            for task in tasks
-        ]
+        grads = [(task, _block_backward(spec, task, dout, q, kv[0], kv[1], out, lse)) for task in tasks]
         if dkv_pending is not None:  # the accumulator of the KV we now hold arrives
             dkv_pending.wait()
             dkv, dkv_next = dkv_next, dkv
@@ -178,21 +180,18 @@ def ring_backward(
 
 def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`ring_backward` on one rank: the kernel's gradients, accumulated only when the
-    blocks share keys (documents: one block per document, so they do not)."""
+    """:func:`ring_backward` on one rank: the kernel's gradients as they come for a single
+    block, else summed per block (documents: one block per document)."""
     (tasks,) = spec.schedule
     if len(tasks) == 1 and _covers(tasks[0], q, k):
-        return spec.kernel.backward(dout, q, k, v, out, lse, causal=tasks[0].causal, scale=spec.scale)
+        return _block_backward(spec, tasks[0], dout, q, k, v, out, lse)
     acc_dtype = softmax_stat_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
     dout = dout.contiguous()
     for task in tasks:
-        dq_b, dk_b, dv_b = spec.kernel.backward(
-            dout[:, task.q], q[:, task.q], k[:, task.kv], v[:, task.kv], out[:, task.q],
-            lse[:, :, task.q].contiguous(), causal=task.causal, scale=spec.scale,
-        )
+        dq_b, dk_b, dv_b = _block_backward(spec, task, dout, q, k, v, out, lse)
         dq[:, task.q] += dq_b
         dk[:, task.kv] += dk_b
         dv[:, task.kv] += dv_b

@@ -64,3 +64,88 @@ def test_float64_gradcheck_with_sinks_and_value_head_size(pools, mode: str, worl
     pool = pools.get(world_size)
     for causal, d_v in ((True, 6), (False, None)):
         assert all(pool.run(gradcheck_case, mode, layout, causal, u, r, sinks=True, d_v=d_v, timeout=300))
+
+
+# ---------------------------------------------------------------------------- Megatron
+
+
+def megatron_core_attention_case(cp: int, ulysses: int, softmax_type: str, d_qk: int, d_v: int) -> dict[str, float]:
+    """RingSPCoreAttention at CP = ``cp`` (U x R) on Megatron's zigzag shards of ``[s, b, h, d]``
+    q/k (``d_qk``) and v (``d_v``, MLA's ``k_channels``/``v_channels``), against megatron-core's
+    own sink softmax (``SoftmaxOne``, what DotProductAttention applies) on the full sequence in
+    float64, with the same ``softmax_offset``. Returns max errors (grads reduced over CP)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.fusions.fused_softmax import SoftmaxOne
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import ring_sp
+    import ring_sp.integrations.megatron as rsm
+
+    heads, s, b = 4, 16 * cp, 2
+    parallel_state.initialize_model_parallel(context_parallel_size=cp, create_gloo_process_groups=False)
+    try:
+        torch.manual_seed(0)
+        config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads, softmax_type=softmax_type,
+                                   params_dtype=torch.float64, use_cpu_initialization=True, context_parallel_size=cp,
+                                   attention_dropout=0.0)
+        attention = rsm.RingSPCoreAttention(config, 1, AttnMaskType.causal, "self", k_channels=d_qk, v_channels=d_v,
+                                            softmax_scale=0.3, ring_sp_config=rsm.RingSPConfig(ulysses_size=ulysses))
+        if softmax_type == "learnable":
+            assert isinstance(attention.softmax_offset, torch.nn.Parameter) and attention.softmax_offset.shape == (heads,)
+            assert set(attention.state_dict()) == {"softmax_offset"}
+        g = torch.Generator().manual_seed(1)
+        full = {name: torch.randn(s, b, heads, d, generator=g, dtype=torch.float64)
+                for name, d in (("q", d_qk), ("k", d_qk), ("v", d_v), ("dout", d_v))}
+        cp_group = parallel_state.get_context_parallel_group()
+        shard = lambda x: ring_sp.shard_sequence(x, rank=cp_group.rank(), world_size=cp, layout="zigzag", dim=0)  # noqa: E731
+        q, k, v = (shard(full[n]).requires_grad_() for n in ("q", "k", "v"))
+        out = attention(q, k, v, None)
+        out.backward(shard(full["dout"]).reshape(out.shape))
+
+        # megatron-core's math on the full sequence: scaled scores, causal mask, SoftmaxOne
+        offset = attention.softmax_offset.detach().clone().requires_grad_() if softmax_type == "learnable" else \
+            (torch.zeros(heads, dtype=torch.float64) if softmax_type == "off-by-one" else None)
+        rq, rk, rv = (full[n].clone().requires_grad_() for n in ("q", "k", "v"))
+        scores = torch.einsum("sbhd,tbhd->bhst", rq, rk) * 0.3
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        probs = torch.softmax(scores, -1) if offset is None else SoftmaxOne(-1, offset)(scores)
+        ref = torch.einsum("bhst,tbhd->sbhd", probs, rv)
+        ref.backward(full["dout"])
+        errors = {"out": (out.detach() - shard(ref.detach()).reshape(out.shape)).abs().max().item()}
+        for name, mine, theirs in (("dq", q, rq), ("dk", k, rk), ("dv", v, rv)):
+            errors[name] = (mine.grad - shard(theirs.grad)).abs().max().item()
+        if softmax_type == "learnable":
+            reduced = attention.softmax_offset.grad.clone()
+            dist.all_reduce(reduced, group=cp_group)  # what Megatron's DDP does over dp x cp
+            errors["dsinks"] = (reduced - offset.grad).abs().max().item()
+            errors["dsinks_scale"] = offset.grad.abs().max().item()
+        return errors
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("softmax_type,d_v", [("learnable", 8), ("off-by-one", 16), ("vanilla", 24)])
+def test_megatron_core_attention_sinks_and_mla_equal_megatrons_softmax(pools, softmax_type: str, d_v: int) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    for result in pools.get(4).run(megatron_core_attention_case, 4, 2, softmax_type, 16, d_v, timeout=240):
+        assert max(v for k, v in result.items() if k != "dsinks_scale") <= 1e-10, result
+        assert softmax_type != "learnable" or result["dsinks_scale"] > 1e-3, result
+
+
+def test_megatron_accepts_multi_latent_attention_spec_and_args() -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    import argparse
+
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    import ring_sp.integrations.megatron as rsm
+
+    spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(), normalization="RMSNorm", multi_latent_attention=True)
+    attention = spec.submodules.self_attention
+    assert attention.module is MLASelfAttention
+    assert attention.submodules.core_attention.module is rsm.RingSPCoreAttention
+    args = argparse.Namespace(num_attention_heads=4, multi_latent_attention=True, context_parallel_size=2,
+                              position_embedding_type="rope")
+    assert rsm.ring_sp_config_from_args(args) == rsm.RingSPConfig()

@@ -48,13 +48,13 @@ class AttnCase:
     placement: str = "ulysses_inner"
     backend: str = "auto"
     packed: bool = False  # random documents (cu_seqlens) from the seed
-    sinks: bool = False  # one random sink logit per query head
+    sinks: bool | tuple[float, ...] = False  # one sink logit per query head: random (True) or these
     d_v: int | None = None  # value head size (None = d; MLA when different)
 
     def label(self) -> str:
         return (f"{self.mode} U{self.ulysses}xR{self.ring} {self.placement} {self.layout} causal={self.causal} "
                 f"b={self.b} n={self.n_local} h={self.h}/{self.h_kv} d={self.d} {self.dtype} seed={self.seed}"
-                f"{' packed' if self.packed else ''}{' sinks' if self.sinks else ''}"
+                f"{' packed' if self.packed else ''}{f' sinks={self.sinks}' if self.sinks else ''}"
                 f"{f' d_v={self.d_v}' if self.d_v is not None else ''}")
 
 

@@ -60,15 +60,18 @@ def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
 
 
 def make_inputs(seed: int, b: int, n: int, h: int, h_kv: int, d: int, dtype: torch.dtype, *,
-                d_v: int | None = None, sinks: bool = False) -> dict[str, torch.Tensor]:
+                d_v: int | None = None, sinks: bool | tuple[float, ...] = False) -> dict[str, torch.Tensor]:
     """Global q, k, v, dout rounded to ``dtype`` (identical on every rank for one seed);
-    ``d_v``: v's head size (None = d); ``sinks``: also one logit per head, ``2 * N(0, 1)``."""
+    ``d_v``: v's head size (None = d); ``sinks``: also one logit per head, ``2 * N(0, 1)``
+    (True) or these values (a tuple of length h)."""
     g = torch.Generator().manual_seed(seed)
     d_v = d if d_v is None else d_v
     shapes = {"q": (b, n, h, d), "k": (b, n, h_kv, d), "v": (b, n, h_kv, d_v), "dout": (b, n, h, d_v)}
     inputs = {name: torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for name, shape in shapes.items()}
-    if sinks:
+    if sinks is True:
         inputs["sinks"] = (2 * torch.randn(h, generator=g, dtype=torch.float64)).to(dtype)
+    elif sinks:
+        inputs["sinks"] = torch.tensor(sinks, dtype=torch.float64).to(dtype)
     return inputs
 
 

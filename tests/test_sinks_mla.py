@@ -13,8 +13,13 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import ring_sp
 from dist_cases import AttnCase, check_attention_cases
+from ring_sp.kernels import get_kernel, unavailable_reason
+from ring_sp.kernels.reference import ReferenceKernel
+from ring_sp.planner import layer_bytes
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 DTYPES = ("fp64", "fp32", "bf16")
@@ -52,9 +57,105 @@ def test_grid_sinks_and_value_head_size(pools) -> None:
     pools.get(4).run(check_attention_cases, cases, timeout=600)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_packed_documents_with_sinks_and_value_head_size(pools, world_size: int) -> None:
+    cases = _cases("ring", world_size, r=world_size, layouts=("zigzag", "document_zigzag"), packed=(True,))
+    pools.get(world_size).run(check_attention_cases, cases, timeout=600)
+
+
+def test_packed_documents_sample(pools) -> None:
+    """The unmarked sample of the sweep above: documents crossing shards, sinks and d_v."""
+    cases = [AttnCase("ring", layout, True, 1, 8, 4, 2, 16, dtype, seed=s, ring=4, packed=True, sinks=True, d_v=d_v)
+             for s, (layout, dtype, d_v) in enumerate(itertools.product(
+                 ("zigzag", "document_zigzag"), ("fp64", "bf16"), (None, 24)))]
+    cases += [AttnCase("hybrid", "document_zigzag", True, 1, 8, 4, 2, 16, "fp32", seed=9, ulysses=2, ring=2,
+                       packed=True, sinks=True, d_v=8)]
+    pools.get(4).run(check_attention_cases, cases, timeout=600)
+
+
+EXTREME = ((1e4, -1e4, 30.0, float("-inf")), (-80.0, 80.0, 0.0, 1e-3))
+
+
+@pytest.mark.parametrize("values", EXTREME, ids=["huge-tiny-inf", "pm80"])
+def test_extreme_sink_values(pools, values: tuple[float, ...]) -> None:
+    """A sink that swallows the row (out -> 0), one that vanishes, -inf (no sink): exact, finite."""
+    cases = [AttnCase(mode, layout, causal, 1, 4, 4, 2, 16, dtype, seed=i, ring=2 if mode == "ring" else 1,
+                      ulysses=2 if mode == "hybrid" else 1, sinks=values, d_v=8 if i % 2 else None)
+             for i, (mode, layout, causal, dtype) in enumerate(itertools.product(
+                 ("ring", "hybrid"), ("zigzag", "striped"), (True, False), ("fp64", "fp32", "bf16")))
+             if not (mode == "hybrid" and layout == "striped")]
+    pools.get(2).run(check_attention_cases, cases, timeout=600)
+
+
+# ---------------------------------------------------------------------------- checks, kernels, bytes
+
+
+@pytest.mark.parametrize("sinks,error,match", [
+    ("1.0", TypeError, r"sinks must be a torch.Tensor \[heads\].*got str"),
+    (torch.zeros(2), ValueError, r"sinks must be 1-D with one logit per query head, shape \(4,\).*got Tensor\(shape=\(2,\)"),
+    (torch.zeros(4, 1), ValueError, r"sinks must be 1-D"),
+    (torch.zeros(4, dtype=torch.int64), TypeError, r"sinks.dtype=torch.int64 is not supported"),
+    (torch.zeros(4, device="meta"), ValueError, r"sinks must be on q's device cpu; got sinks on meta"),
+])
+def test_bad_sinks_are_refused_naming_the_argument(single_rank, sinks, error, match) -> None:
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 8)
+    with pytest.raises(error, match=match):
+        ring_sp.ring_attention(q, k, v, sinks=sinks)
+
+
+def _disagreeing_sinks() -> str:
+    q, k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    sinks = torch.zeros(4, dtype=torch.float32 if dist.get_rank() == 0 else torch.float64)
+    try:
+        ring_sp.ring_attention(q, k, v, causal=True, sinks=sinks)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_disagreeing_on_sinks_fail_together(pools) -> None:
+    for message in pools.get(2).run(_disagreeing_sinks, timeout=60):
+        assert "ranks disagree" in message and "sinks=Tensor(shape=(4,), dtype=torch.float64)" in message, message
+
+
+def test_value_head_size_kernel_choice() -> None:
+    """The CPU op refuses d_v != d (so its backend says why and auto picks reference);
+    the reference kernel computes it."""
+    cpu = torch.device("cpu")
+    with pytest.raises(RuntimeError, match="same head size"):  # torch's own refusal, the reason's source
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 16), torch.randn(1, 2, 4, 8), 0.0, True)
+    assert "value head size" in unavailable_reason("torch", cpu, torch.float32, 16, 8)
+    assert unavailable_reason("torch", cpu, torch.float32, 16, 16) is None
+    assert get_kernel("auto", cpu, torch.float32, 16, 8).name == "reference"
+    assert get_kernel("auto", cpu, torch.float32, 16).name == "torch"
+    with pytest.raises(RuntimeError, match=r"backend='torch' is unavailable: .*value head size"):
+        get_kernel("torch", cpu, torch.float32, 16, 24)
+    out, lse = ReferenceKernel().forward(torch.randn(1, 5, 4, 16), torch.randn(1, 5, 2, 16), torch.randn(1, 5, 2, 24),
+                                         causal=True, scale=0.25)
+    assert out.shape == (1, 5, 4, 24) and lse.shape == (1, 4, 5)
+
+
+def test_layer_bytes_with_value_head_size_by_hand() -> None:
+    """U2 x R2, b 1, 8 tokens per rank, 8 q / 2 kv heads, d 16, d_v 8, bf16 (2 bytes, fp32 acc 4)."""
+    fwd, bwd = layer_bytes(ulysses=2, ring=2, batch=1, local_len=8, heads=8, kv_heads=2, head_dim=16, dtype="bf16",
+                           value_head_dim=8)
+    half = lambda elements, size: elements // 2 * size  # noqa: E731  (U-1)/U of an all-to-all's input
+    kv_shard = 8 * 2 * 1 * (16 + 8)  # N/R = 16 tokens x 1 kv head per Ulysses rank x (d + d_v)
+    assert fwd == {"ulysses_a2a_q": half(8 * 8 * 16, 2), "ulysses_a2a_out": half(8 * 8 * 8, 2),
+                   "ulysses_a2a_kv": half(8 * 2 * (16 + 8), 2), "ring_kv": kv_shard * 2}
+    assert bwd == {"ulysses_a2a_dout": half(8 * 8 * 8, 2), "ulysses_a2a_dq": half(8 * 8 * 16, 2),
+                   "ulysses_a2a_dkv": half(8 * 2 * (16 + 8), 2), "ring_kv": kv_shard * 2,
+                   "ring_dkv": kv_shard * 4 + kv_shard * 2}
+    same = layer_bytes(ulysses=2, ring=2, batch=1, local_len=8, heads=8, kv_heads=2, head_dim=16, dtype="bf16")
+    assert same == layer_bytes(ulysses=2, ring=2, batch=1, local_len=8, heads=8, kv_heads=2, head_dim=16,
+                               dtype="bf16", value_head_dim=16)
+
+
 @pytest.mark.parametrize("mode,world_size,u,r,layout", [
-    ("ring", 2, 1, 1, "zigzag"), ("ring", 3, 1, 1, "striped"), ("ulysses", 4, 1, 1, "contiguous"),
-    ("hybrid", 4, 2, 2, "zigzag"),
+    ("ring", 2, 1, 1, "zigzag"), pytest.param("ring", 3, 1, 1, "striped", marks=pytest.mark.slow),
+    pytest.param("ulysses", 4, 1, 1, "contiguous", marks=pytest.mark.slow), ("hybrid", 4, 2, 2, "zigzag"),
 ])
 def test_float64_gradcheck_with_sinks_and_value_head_size(pools, mode: str, world_size: int, u: int, r: int,
                                                          layout: str) -> None:

@@ -10,6 +10,7 @@ the oracle's gradient. Value head sizes 8 and 24 with q/k head size 16.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -250,3 +251,44 @@ def test_megatron_accepts_multi_latent_attention_spec_and_args() -> None:
     args = argparse.Namespace(num_attention_heads=4, multi_latent_attention=True, context_parallel_size=2,
                               position_embedding_type="rope")
     assert rsm.ring_sp_config_from_args(args) == rsm.RingSPConfig()
+
+
+class SinkCoreAttention:
+    """The CP = 1 reference for a GPT with ``softmax_type='learnable'``: causal attention through
+    megatron-core's own ``SoftmaxOne`` with a ``softmax_offset`` parameter (what its
+    DotProductAttention computes; that module itself cannot run on CPU)."""
+
+    def __new__(cls, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        from megatron.core.fusions.fused_softmax import SoftmaxOne
+        from megatron.core.transformer.module import MegatronModule
+
+        class _Core(MegatronModule):
+            def __init__(self) -> None:
+                super().__init__(config=config)
+                self.softmax_offset = torch.nn.Parameter(torch.empty(config.num_attention_heads))
+                config.init_method(self.softmax_offset)
+
+            def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                        packed_seq_params=None):
+                q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+                scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+                scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+                out = SoftmaxOne(-1, self.softmax_offset)(scores) @ v
+                return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+        return _Core()
+
+
+@pytest.mark.parametrize("cp,ulysses", [pytest.param(4, 2, id="cp4-u2xr2"),
+                                        pytest.param(4, 1, id="cp4-u1xr4", marks=pytest.mark.slow)])
+def test_megatron_gpt_with_learnable_sinks_equals_cp1(pools, cp: int, ulysses: int) -> None:
+    """A GPTModel with ``softmax_type='learnable'``: loss and DDP-reduced gradients (the
+    ``softmax_offset`` ones included) at CP = 4 equal those at CP = 1."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from test_megatron import gpt_case
+
+    for r in pools.get(4).run(gpt_case, 1, cp, ulysses, False, SinkCoreAttention, softmax_type="learnable", timeout=240):
+        assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
+        assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6 and r["per_token_grad_err"] <= 1e-6, r

@@ -72,6 +72,10 @@ def test_packed_documents_sample(pools) -> None:
                  ("zigzag", "document_zigzag"), ("fp64", "bf16"), (None, 24)))]
     cases += [AttnCase("hybrid", "document_zigzag", True, 1, 8, 4, 2, 16, "fp32", seed=9, ulysses=2, ring=2,
                        packed=True, sinks=True, d_v=8)]
+    # Ulysses alone: one ring rank, one kernel call per document (the ring's local path)
+    cases += [AttnCase("ulysses", "document_zigzag", causal, 1, 8, 4, 2, 16, dtype, seed=10 + i, ulysses=4,
+                       packed=True, sinks=True, d_v=24)
+              for i, (causal, dtype) in enumerate(itertools.product((True, False), ("fp64", "bf16")))]
     pools.get(4).run(check_attention_cases, cases, timeout=600)
 
 

@@ -26,7 +26,7 @@ LAYOUTS = ("contiguous", "zigzag", "striped")
 DTYPES = ("fp64", "fp32", "bf16")
 
 
-def _cases(mode: str, size: int, *, u: int = 1, r: int = 1, layouts=LAYOUTS, dtypes=DTYPES,
+def _cases(mode: str, *, u: int = 1, r: int = 1, layouts=LAYOUTS, dtypes=DTYPES,
            packed: tuple[bool, ...] = (False,)) -> list[AttnCase]:
     """sinks on/off x d_v (16 = d, 8, 24) x layout x causal x dtype, shapes rotated."""
     heads = itertools.cycle([(4, 4), (8, 2), (4, 1)] if u == 1 else [(2 * u, u), (2 * u, 1), (4 * u, 2 * u)])
@@ -44,24 +44,24 @@ def _cases(mode: str, size: int, *, u: int = 1, r: int = 1, layouts=LAYOUTS, dty
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_sinks_and_value_head_size(pools, world_size: int) -> None:
-    cases = _cases("ring", world_size, r=world_size, dtypes=("fp64", "bf16") if world_size == 3 else DTYPES)
+    cases = _cases("ring", r=world_size, dtypes=("fp64", "bf16") if world_size == 3 else DTYPES)
     pools.get(world_size).run(check_attention_cases, cases, timeout=600)
 
 
 def test_ulysses_sinks_and_value_head_size(pools) -> None:
-    cases = _cases("ulysses", 4, u=4)
+    cases = _cases("ulysses", u=4)
     pools.get(4).run(check_attention_cases, cases, timeout=600)
 
 
 def test_grid_sinks_and_value_head_size(pools) -> None:
-    cases = _cases("hybrid", 4, u=2, r=2, layouts=("zigzag", "contiguous"))
+    cases = _cases("hybrid", u=2, r=2, layouts=("zigzag", "contiguous"))
     pools.get(4).run(check_attention_cases, cases, timeout=600)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_packed_documents_with_sinks_and_value_head_size(pools, world_size: int) -> None:
-    cases = _cases("ring", world_size, r=world_size, layouts=("zigzag", "document_zigzag"), packed=(True,))
+    cases = _cases("ring", r=world_size, layouts=("zigzag", "document_zigzag"), packed=(True,))
     pools.get(world_size).run(check_attention_cases, cases, timeout=600)
 
 

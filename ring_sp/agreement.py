@@ -50,7 +50,8 @@ class CallSignature:
 
     @staticmethod
     def of(q: object, k: object, v: object, *, causal: object, layout: object, softmax_scale: object,
-           backend: object, ulysses_size: int, ring_size: int, cu_seqlens: tuple[int, ...] | None = None) -> CallSignature:
+           backend: object, ulysses_size: int, ring_size: int, cu_seqlens: tuple[int, ...] | None = None,
+           sinks: object = None) -> CallSignature:
         def shape(t: object) -> tuple[int, int, int, int]:
             dims = tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else (-1, -1, -1, -1)
             return dims  # type: ignore[return-value]
@@ -62,11 +63,27 @@ class CallSignature:
         device = q.device.type if isinstance(q, torch.Tensor) else "?"
         values = (*shape(q), *shape(k), *shape(v), code(dtype, _DTYPES), code(device, ("cpu", "cuda")),
                   int(causal is True), code(layout, LAYOUTS), code(backend, BACKENDS), _scale_bits(softmax_scale), ulysses_size, ring_size,
-                  -1 if cu_seqlens is None else len(cu_seqlens), _checksum(cu_seqlens))
+                  -1 if cu_seqlens is None else len(cu_seqlens), _checksum(cu_seqlens), *_sinks_code(sinks))
         text = (f"q {shape(q)}, k {shape(k)}, v {shape(v)}, dtype {dtype}, device {device}, causal={causal!r}, "
                 f"layout={layout!r}, softmax_scale={softmax_scale!r}, backend={backend!r}, ulysses x ring = {ulysses_size} x {ring_size}, "
-                f"cu_seqlens={'None' if cu_seqlens is None else f'{len(cu_seqlens) - 1} documents (checksum {_checksum(cu_seqlens)})'}")
+                f"cu_seqlens={'None' if cu_seqlens is None else f'{len(cu_seqlens) - 1} documents (checksum {_checksum(cu_seqlens)})'}, "
+                f"sinks={_describe_sinks(sinks)}")
         return CallSignature(values, text)
+
+
+def _sinks_code(sinks: object) -> tuple[int, int]:
+    """(length, dtype code) of the sinks: their shape and dtype, not their values (-1, -1 for None)."""
+    if sinks is None:
+        return -1, -1
+    if not isinstance(sinks, torch.Tensor):
+        return -2, -2
+    return (sinks.shape[0] if sinks.dim() == 1 else -3), (_DTYPES.index(sinks.dtype) if sinks.dtype in _DTYPES else -3)
+
+
+def _describe_sinks(sinks: object) -> str:
+    if isinstance(sinks, torch.Tensor):
+        return f"Tensor(shape={tuple(sinks.shape)}, dtype={sinks.dtype})"
+    return repr(sinks)
 
 
 def _checksum(values: tuple[int, ...] | None) -> int:

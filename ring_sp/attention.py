@@ -28,7 +28,8 @@ from .kernels import get_kernel
 from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_reorder
 from .ring import RingSpec, ring_comm_for
 from .topology import SequenceParallelTopology
-from .validation import check_cu_seqlens, check_group, check_local_length, check_options, check_qkv, resolve_scale
+from .validation import (check_cu_seqlens, check_group, check_local_length, check_options, check_qkv, check_sinks,
+                         resolve_scale)
 
 
 def check_ulysses_heads(heads: int, kv_heads: int, ulysses_size: int) -> None:
@@ -63,9 +64,11 @@ def _prepare(
     backend: str,
     return_lse: bool,
     cu_seqlens: Boundaries | None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[RingSpec, UlyssesSpec | None]:
     """Every local check, then the plan of the call. Raises before any collective."""
     check_qkv(q, k, v)
+    check_sinks(sinks, q)
     check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
     u, r = _size(ulysses_group), _size(ring_group)
     check_local_length(layout, q.shape[1], u * r)
@@ -78,7 +81,7 @@ def _prepare(
         raise ValueError("return_lse=True is only supported without Ulysses (ulysses size 1): lse is head-sharded inside")
     ring_rank = dist.get_rank(ring_group) if ring_group is not None else 0
     reorder = ulysses_to_ring_reorder(layout, u, r, global_len, ring_rank, q.device, cu_seqlens) if u > 1 else None
-    kernel = get_kernel(backend, q.device, q.dtype, q.shape[3])
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[3], v.shape[3])
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
                     resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens)
     return ring, (UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None)
@@ -99,6 +102,7 @@ def _attention(
     return_lse: bool,
     validate: bool | None,
     cu_seqlens: torch.Tensor | list[int] | None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
     options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
@@ -108,7 +112,7 @@ def _attention(
         check_cu_seqlens(cu_seqlens)
         boundaries = as_boundaries(cu_seqlens)
         ring, ulysses = _prepare(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, return_lse=return_lse,
-                                 cu_seqlens=boundaries, **options)
+                                 cu_seqlens=boundaries, sinks=sinks, **options)
         error = None
     except (TypeError, ValueError, RuntimeError) as exc:
         if not always:
@@ -116,12 +120,12 @@ def _attention(
         error = exc
     if _size(agreement_group) > 1:
         signature = CallSignature.of(q, k, v, ulysses_size=_size(ulysses_group), ring_size=_size(ring_group),
-                                     cu_seqlens=boundaries, **options)
+                                     cu_seqlens=boundaries, sinks=sinks, **options)
         device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
         agree(agreement_group, signature, error, always=always, device=device)
     if error is not None:
         raise error
-    return SequenceParallelFunction.apply(q, k, v, ring, ulysses)
+    return SequenceParallelFunction.apply(q, k, v, ring, ulysses, sinks)
 
 
 def _group_or_world(group: dist.ProcessGroup | None, name: str = "group") -> dist.ProcessGroup:
@@ -142,23 +146,29 @@ def ring_attention(
     return_lse: bool = False,
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ring attention over ``group`` (None = the default group).
 
-    q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]``: this rank's shard, sharded with
+    q ``[b, n, h, d]``, k ``[b, n, h_kv, d]``, v ``[b, n, h_kv, d_v]`` (``d_v`` may differ from
+    ``d``: MLA): this rank's shard, sharded with
     ``shard_sequence(x, rank=group rank, world_size=group size, layout=layout)``.
-    Returns out ``[b, n, h, d]`` in q's dtype; with ``return_lse`` also lse ``[b, h, n]``
-    (float32). Only KV heads travel (GQA/MQA); dK/dV are accumulated in fp32.
+    Returns out ``[b, n, h, d_v]`` in q's dtype; with ``return_lse`` also lse ``[b, h, n]``
+    (float32; with sinks it includes them). Only KV heads travel (GQA/MQA); dK/dV are
+    accumulated in fp32.
     ``validate``: agree on the arguments across ranks on every call (default: on the
     first call of each new shape; ``RING_SP_VALIDATE=1`` sets it globally).
     ``cu_seqlens``: packed sequences - int ``[num_docs + 1]`` boundaries of the documents
     in the GLOBAL sequence, the same on every rank; a token attends only inside its own
     document (``layout="document_zigzag"`` balances causal work for any document mix).
+    ``sinks``: attention sinks, a float tensor ``[h]`` with one learned logit per query head
+    (gpt-oss): every row's softmax denominator gets ``exp(sinks[head])`` added, with no
+    value. Its gradient is this rank's share; the sum over the SP ranks is the whole one.
     """
     ring_group = _group_or_world(group)
     out, lse = _attention(q, k, v, ulysses_group=None, ring_group=ring_group, agreement_group=ring_group,
                           causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                          return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens)
+                          return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -174,19 +184,21 @@ def ulysses_attention(
     backend: str = "auto",
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention over ``group`` (None = the default group).
 
     q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]``, sharded by ``layout`` over the group
     (every layout works: the all-to-all output is put back in natural order). Needs
     ``h % U == 0`` and ``h_kv % U == 0`` or ``U % h_kv == 0`` (KV heads are then
-    replicated only to the ranks that need them). Returns ``[b, n, h, d]``.
-    ``validate`` and ``cu_seqlens``: as in :func:`ring_attention`.
+    replicated only to the ranks that need them). Returns ``[b, n, h, d_v]``.
+    ``validate``, ``cu_seqlens`` and ``sinks`` (all ``h`` heads on every rank; each rank's
+    ``sinks.grad`` holds its ``h/U`` heads' share, zeros elsewhere): as in :func:`ring_attention`.
     """
     ulysses_group = _group_or_world(group)
     return _attention(q, k, v, ulysses_group=ulysses_group, ring_group=None, agreement_group=ulysses_group,
                       causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                      return_lse=False, validate=validate, cu_seqlens=cu_seqlens)[0]
+                      return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks)[0]
 
 
 def hybrid_attention(
@@ -201,6 +213,7 @@ def hybrid_attention(
     backend: str = "auto",
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
 
@@ -208,9 +221,9 @@ def hybrid_attention(
     ``shard_sequence(x, rank=topology.sp_rank, world_size=topology.sp_size, layout=layout)``.
     Ulysses all-to-all over U (heads must split: ``h % U == 0``), ring attention over R
     on ``h/U`` heads with un-replicated KV, then back. ``contiguous`` and ``zigzag`` work
-    for every ``U x R``; ``striped`` when U == 1 or R == 1. Returns ``[b, n, h, d]``.
-    ``validate`` and ``cu_seqlens``: as in :func:`ring_attention` (``document_zigzag``
-    works for every ``U x R``).
+    for every ``U x R``; ``striped`` when U == 1 or R == 1. Returns ``[b, n, h, d_v]``.
+    ``validate``, ``cu_seqlens`` and ``sinks``: as in :func:`ring_attention` and
+    :func:`ulysses_attention` (``document_zigzag`` works for every ``U x R``).
     """
     if not isinstance(topology, SequenceParallelTopology):
         raise TypeError(
@@ -219,4 +232,4 @@ def hybrid_attention(
         )
     return _attention(q, k, v, ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
                       agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                      backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens)[0]
+                      backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks)[0]

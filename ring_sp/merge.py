@@ -32,3 +32,29 @@ def merge_block_(out: torch.Tensor, lse: torch.Tensor, out_block: torch.Tensor, 
     lse_new = torch.logaddexp(lse, lse_block)
     out.mul_(_weight(lse, lse_new)).add_(out_block.to(out.dtype) * _weight(lse_block, lse_new))
     lse.copy_(lse_new)
+
+
+def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add attention sinks to finished (fully merged) rows, exactly, once.
+
+    A sink is one logit per head whose ``exp`` joins every row's softmax denominator with
+    no value (gpt-oss): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``.
+    out ``[b, s, h, d_v]`` (any float dtype), lse ``[b, h, s]`` (float32/64), sinks ``[h]``
+    (this call's heads) -> out' in lse's dtype and lse'. A row that saw no key gets
+    ``out' = 0`` and ``lse' = sink``; a sink of ``-inf`` changes nothing.
+    """
+    lse_new = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    return out.to(lse.dtype) * _weight(lse, lse_new), lse_new
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Gradient of the sinks folded by :func:`fold_sinks`, from this call's rows:
+    ``dsink[h] = -sum_{b,i} exp(sink[h] - lse'[b,h,i]) * D[b,i,h]`` with ``D = sum_d dout * out``.
+
+    dout/out ``[b, s, h, d_v]`` (the folded out), lse ``[b, h, s]`` (the folded lse'),
+    sinks ``[h]`` -> ``[h]`` in lse's dtype (float32/64 accumulation).
+    """
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(dim=-1)  # D [b, s, h]
+    weight = _weight(sinks.to(acc).view(1, -1, 1), lse)[..., 0]  # exp(sink - lse') [b, s, h]
+    return -(weight * delta).sum(dim=(0, 1))

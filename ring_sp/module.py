@@ -41,12 +41,15 @@ class SequenceParallelAttention(nn.Module):
         self.validate = validate
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cu_seqlens: torch.Tensor | list[int] | None = None) -> torch.Tensor:
-        """q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]`` -> ``[b, n, h, d]``; ``cu_seqlens``: the
-        packed documents' boundaries in the global sequence (see :func:`ring_sp.ring_attention`)."""
+                cu_seqlens: torch.Tensor | list[int] | None = None, *,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q ``[b, n, h, d]``, k ``[b, n, h_kv, d]``, v ``[b, n, h_kv, d_v]`` -> ``[b, n, h, d_v]``;
+        ``cu_seqlens``: the packed documents' boundaries in the global sequence; ``sinks``: one
+        logit per query head ``[h]``, the caller's parameter (see :func:`ring_sp.ring_attention`)."""
         return hybrid_attention(
             q, k, v, topology=self.topology, causal=self.causal, layout=self.layout,
             softmax_scale=self.softmax_scale, backend=self.backend, validate=self.validate, cu_seqlens=cu_seqlens,
+            sinks=sinks,
         )
 
     def extra_repr(self) -> str:

@@ -146,7 +146,7 @@ def dtype_bytes(dtype: str) -> tuple[int, int]:
 
 
 def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
-                dtype: str) -> tuple[dict[str, int], dict[str, int]]:
+                dtype: str, value_head_dim: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes ONE rank sends in one attention layer, forward and backward, keyed by the kinds
     :func:`ring_sp.count_communication` records (DESIGN.md section 5 as implemented).
 
@@ -155,8 +155,11 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
     return in fp32). Ring: ``R - 1`` exchanges of the packed ``[k; v]`` shard of ``N / R``
     tokens forward and backward, plus ``R`` exchanges of its ``[dk; dv]`` accumulator: fp32
     while it collects, the input dtype on the last hop home (fp32 again when replicated).
+    ``value_head_dim`` (None = ``head_dim``): v, out and dout carry it, q/k/dq ``head_dim``;
+    a packed KV message holds ``head_dim + value_head_dim`` per KV head and token.
     """
     elem, acc = dtype_bytes(dtype)
+    d_v = head_dim if value_head_dim is None else value_head_dim
     m = kv_heads_per_rank(kv_heads, ulysses)
     replicated = kv_heads % ulysses != 0
 
@@ -166,14 +169,14 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
     fwd: dict[str, int] = {}
     bwd: dict[str, int] = {}
     if ulysses > 1:
-        q_elems = batch * local_len * heads * head_dim
-        kv_elems = batch * local_len * ulysses * 2 * m * head_dim  # packed [k; v], per destination
-        fwd["ulysses_a2a_q"] = fwd["ulysses_a2a_out"] = a2a(q_elems, elem)
+        q_elems, out_elems = batch * local_len * heads * head_dim, batch * local_len * heads * d_v
+        kv_elems = batch * local_len * ulysses * m * (head_dim + d_v)  # packed [k; v], per destination
+        fwd["ulysses_a2a_q"] = bwd["ulysses_a2a_dq"] = a2a(q_elems, elem)
+        fwd["ulysses_a2a_out"] = bwd["ulysses_a2a_dout"] = a2a(out_elems, elem)
         fwd["ulysses_a2a_kv"] = a2a(kv_elems, elem)
-        bwd["ulysses_a2a_dout"] = bwd["ulysses_a2a_dq"] = a2a(q_elems, elem)
         bwd["ulysses_a2a_dkv"] = a2a(kv_elems, acc if replicated else elem)
     if ring > 1:
-        kv_shard = 2 * batch * local_len * ulysses * m * head_dim
+        kv_shard = batch * local_len * ulysses * m * (head_dim + d_v)
         fwd["ring_kv"] = bwd["ring_kv"] = (ring - 1) * kv_shard * elem
         bwd["ring_dkv"] = (ring - 1) * kv_shard * acc + kv_shard * (acc if replicated else elem)
     return fwd, bwd

@@ -1,7 +1,9 @@
 """Ring attention: the one forward loop and the one backward loop (DESIGN.md section 4).
 
 Each ring rank keeps its queries; the packed ``[k; v]`` shard travels to the next rank
-every step while the current one is being used (double buffer, posted before compute).
+every step while the current one is being used (double buffer, posted before compute);
+k and v share one flat buffer, so a value head size different from k's (MLA) travels in
+the same single message.
 The layout only enters through :func:`ring_sp.schedule.ring_step_tasks`, which says what
 to compute at each step, so every layout shares these two loops. In the backward pass
 the fp32 ``[dk; dv]`` accumulator travels with its KV shard and arrives home after ``R``
@@ -10,12 +12,14 @@ sends; ``dq`` stays local.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from .comm import PendingExchange, RingComm
 from .kernels import AttentionKernel, softmax_stat_dtype
-from .merge import merge_block_
+from .merge import fold_sinks, merge_block_
 from .layouts import Boundaries
 from .schedule import BlockTask, step_tasks
 
@@ -73,29 +77,53 @@ def _block_backward(spec: RingSpec, task: BlockTask, dout: torch.Tensor, q: torc
                                 lse[:, :, task.q], causal=task.causal, scale=spec.scale)
 
 
-def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One ``[2, b, s, h_kv, d]`` buffer, so each step sends one message, not two."""
-    packed = torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
-    packed[0].copy_(k)
-    packed[1].copy_(v)
-    return packed
+class _PackedKV:
+    """k ``[b, s, h_kv, d]`` and v ``[b, s, h_kv, d_v]`` as contiguous views of ONE flat
+    buffer, so each step sends one message, not two, whatever ``d_v`` is."""
+
+    def __init__(self, k_shape: torch.Size, v_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
+        split = math.prod(k_shape)
+        self.buf = torch.empty(split + math.prod(v_shape), dtype=dtype, device=device)
+        self.k = self.buf[:split].view(k_shape)
+        self.v = self.buf[split:].view(v_shape)
+
+    @staticmethod
+    def of(k: torch.Tensor, v: torch.Tensor) -> _PackedKV:
+        packed = _PackedKV(k.shape, v.shape, k.dtype, k.device)
+        packed.k.copy_(k)
+        packed.v.copy_(v)
+        return packed
+
+    def empty_like(self, dtype: torch.dtype | None = None) -> _PackedKV:
+        return _PackedKV(self.k.shape, self.v.shape, dtype or self.buf.dtype, self.buf.device)
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]`` (this rank's shards) -> out ``[b, n, h, d]``
-    in q's dtype and lse ``[b, h, n]`` (float32; float64 for float64 inputs)."""
+def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged rows in ``dtype``, the sinks folded in first (once, before the one rounding)."""
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sinks)
+    return out.to(dtype), lse
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec,
+                 sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q ``[b, n, h, d]``, k ``[b, n, h_kv, d]``, v ``[b, n, h_kv, d_v]`` (this rank's shards)
+    -> out ``[b, n, h, d_v]`` in q's dtype and lse ``[b, h, n]`` (float32; float64 for float64
+    inputs). ``sinks`` ``[h]``: folded into every row once all blocks are merged (lse then
+    includes them; see :func:`ring_sp.merge.fold_sinks`)."""
     if spec.local:
-        return _local_forward(q, k, v, spec)
-    b, n, h, d = q.shape
+        return _local_forward(q, k, v, spec, sinks)
+    b, n, h, _ = q.shape
     acc_dtype = softmax_stat_dtype(q.dtype)
-    out = torch.zeros((b, n, h, d), dtype=acc_dtype, device=q.device)
+    out = torch.zeros((b, n, h, v.shape[3]), dtype=acc_dtype, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc_dtype, device=q.device)
-    kv, kv_next = _pack_kv(k, v), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    kv = _PackedKV.of(k, v)
+    kv_next = kv.empty_like()
     for step, tasks in spec.steps():
-        pending = spec.rotate(kv, kv_next, "ring_kv") if step + 1 < spec.world_size else None
+        pending = spec.rotate(kv.buf, kv_next.buf, "ring_kv") if step + 1 < spec.world_size else None
         written: list[slice] = []  # rows filled at step 0: a first write is a copy, not a merge
         for task in tasks:
-            out_b, lse_b = _block_forward(spec, task, q, kv[0], kv[1])
+            out_b, lse_b = _block_forward(spec, task, q, kv.k, kv.v)
             if step == 0 and all(task.q.stop <= w.start or task.q.start >= w.stop for w in written):
                 out[:, task.q].copy_(out_b)
                 lse[:, :, task.q].copy_(lse_b)
@@ -105,22 +133,25 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
         if pending is not None:
             pending.wait()
             kv, kv_next = kv_next, kv
-    return out.to(q.dtype), lse
+    return _finish(out, lse, sinks, q.dtype)
 
 
-def _local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec,
+                   sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ring_forward` on one rank: each block's result goes straight to the output."""
     (tasks,) = spec.schedule
     if len(tasks) == 1 and _covers(tasks[0], q, k):
         out, lse = _block_forward(spec, tasks[0], q, k, v)
-        return out.to(q.dtype), lse
-    out = torch.zeros_like(q)  # rows no block covers (none see a key) stay 0 with lse -inf
+        return _finish(out, lse, sinks, q.dtype)
+    # rows no block covers (none see a key) stay 0 with lse -inf
+    out = torch.zeros((*q.shape[:3], v.shape[3]), dtype=q.dtype if sinks is None else softmax_stat_dtype(q.dtype),
+                      device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=softmax_stat_dtype(q.dtype), device=q.device)
     for task in tasks:
         out_b, lse_b = _block_forward(spec, task, q, k, v)
         out[:, task.q] = out_b
         lse[:, :, task.q] = lse_b
-    return out, lse
+    return _finish(out, lse, sinks, q.dtype)
 
 
 def ring_backward(
@@ -133,8 +164,9 @@ def ring_backward(
     spec: RingSpec,
     deliver_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients for this rank's shards: dq ``[b, n, h, d]``, dk/dv ``[b, n, h_kv, d]``,
-    given the global ``out`` and ``lse`` from :func:`ring_forward`.
+    """Gradients for this rank's shards: dq ``[b, n, h, d]``, dk ``[b, n, h_kv, d]``, dv
+    ``[b, n, h_kv, d_v]``, given the global ``out`` and ``lse`` from :func:`ring_forward`
+    (with sinks: the folded ones, which is all the blocks' backward needs).
 
     dK/dV accumulate in float32 (float64) while they travel; their LAST hop home carries
     the finished sum in ``deliver_dtype`` (the input dtype: half the bytes for bf16, and
@@ -147,35 +179,36 @@ def ring_backward(
     acc_dtype = softmax_stat_dtype(q.dtype)
     # Accumulators are allocated explicitly: ``x.to(torch.float32)`` would alias an fp32 x.
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dkv = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device)
-    dkv_next = torch.empty_like(dkv)
-    kv, kv_next = _pack_kv(k, v), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    kv = _PackedKV.of(k, v)
+    kv_next = kv.empty_like()
+    dkv, dkv_next = kv.empty_like(acc_dtype), kv.empty_like(acc_dtype)
+    dkv.buf.zero_()
     dout = dout.contiguous()
     kv_pending: PendingExchange | None = None
     dkv_pending: PendingExchange | None = None
     last = spec.world_size - 1
     for step, tasks in spec.steps():
         if step < last:
-            kv_pending = spec.rotate(kv, kv_next, "ring_kv")
-        grads = [(task, _block_backward(spec, task, dout, q, kv[0], kv[1], out, lse)) for task in tasks]
+            kv_pending = spec.rotate(kv.buf, kv_next.buf, "ring_kv")
+        grads = [(task, _block_backward(spec, task, dout, q, kv.k, kv.v, out, lse)) for task in tasks]
         if dkv_pending is not None:  # the accumulator of the KV we now hold arrives
             dkv_pending.wait()
             dkv, dkv_next = dkv_next, dkv
         for task, (dq_b, dk_b, dv_b) in grads:
             dq[:, task.q] += dq_b
-            dkv[0][:, task.kv] += dk_b
-            dkv[1][:, task.kv] += dv_b
+            dkv.k[:, task.kv] += dk_b
+            dkv.v[:, task.kv] += dv_b
         if step < last:  # pass the accumulator on with its KV
-            dkv_pending = spec.rotate(dkv, dkv_next, "ring_dkv")
+            dkv_pending = spec.rotate(dkv.buf, dkv_next.buf, "ring_dkv")
         if kv_pending is not None:
             kv_pending.wait()
             kv, kv_next = kv_next, kv
             kv_pending = None
     # After R - 1 hops every accumulator holds all its contributions; one more takes it home.
-    home = torch.empty(dkv.shape, dtype=deliver_dtype, device=dkv.device)
-    send = dkv if deliver_dtype == acc_dtype else dkv.to(deliver_dtype)
-    spec.rotate(send, home, "ring_dkv").wait()
-    return dq, home[0], home[1]
+    home = dkv.empty_like(deliver_dtype)
+    send = dkv.buf if deliver_dtype == acc_dtype else dkv.buf.to(deliver_dtype)
+    spec.rotate(send, home.buf, "ring_dkv").wait()
+    return dq, home.k, home.v
 
 
 def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -9,7 +9,8 @@ is the other, which :mod:`ring_sp.function` calls explicitly.
 
 KV heads: with ``h_kv % U == 0`` each rank receives its ``h_kv / U`` heads. With
 ``U % h_kv == 0`` each rank needs ONE KV head (``u * h_kv // U``) and we send exactly
-that: KV heads are replicated to the ranks that use them and never further.
+that: KV heads are replicated to the ranks that use them and never further. k and v
+travel in one all-to-all, flattened per destination, so v's head size may differ (MLA).
 """
 
 from __future__ import annotations
@@ -58,34 +59,47 @@ def _replication_index(kv_heads: int, ulysses_size: int, device: torch.device) -
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor, ulysses_size: int) -> torch.Tensor:
-    """k, v ``[b, n, h_kv, d]`` -> ``[b, n, U*2*m, d]``: per destination rank its m k heads then
-    its m v heads, so ONE all-to-all moves both (``m = kv_heads_per_rank``)."""
-    b, n, kv_heads, d = k.shape
+    """k ``[b, n, h_kv, d]``, v ``[b, n, h_kv, d_v]`` -> ``[b, n, U, m*(d + d_v)]``: per destination
+    rank its m k heads then its m v heads, flattened, so ONE all-to-all moves both whatever
+    ``d_v`` is (``m = kv_heads_per_rank``; the U destinations play the role of heads)."""
+    b, n, kv_heads, _ = k.shape
     index = _replication_index(kv_heads, ulysses_size, k.device)
     if index is not None:
         k, v = k.index_select(2, index), v.index_select(2, index)
-    m = kv_heads_per_rank(kv_heads, ulysses_size)
     u = ulysses_size
-    return torch.stack((k.reshape(b, n, u, m, d), v.reshape(b, n, u, m, d)), dim=3).reshape(b, n, u * 2 * m, d)
+    return torch.cat((k.reshape(b, n, u, -1), v.reshape(b, n, u, -1)), dim=3)
 
 
-def unpack_kv(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the all-to-all: ``[b, U*n, 2*m, d]`` -> k, v ``[b, U*n, m, d]`` (views)."""
-    m = packed.shape[2] // 2
-    return packed[:, :, :m], packed[:, :, m:]
+def unpack_kv(packed: torch.Tensor, kv_heads_local: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the all-to-all: ``[b, U*n, 1, m*(d + d_v)]`` -> k ``[b, U*n, m, d]``, v ``[b, U*n, m, d_v]``
+    (views; ``m = kv_heads_local``, ``d = head_dim``)."""
+    b, un, _, width = packed.shape
+    split = kv_heads_local * head_dim
+    return (packed[..., :split].reshape(b, un, kv_heads_local, head_dim),
+            packed[..., split:].reshape(b, un, kv_heads_local, (width - split) // kv_heads_local))
 
 
-def unpack_kv_grads(d_packed: torch.Tensor, kv_heads: int, ulysses_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Adjoint of :func:`pack_kv`: ``[b, n, U*2*m, d]`` -> dk, dv ``[b, n, h_kv, d]``, summing the
-    gradients of replicated heads (in ``d_packed``'s dtype: pass float32 to sum exactly)."""
-    b, n, _, d = d_packed.shape
-    u = ulysses_size
+def pack_kv_grads(dk: torch.Tensor, dv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """dk ``[b, U*n, m, d]``, dv ``[b, U*n, m, d_v]`` -> ``[b, U*n, 1, m*(d + d_v)]`` in ``dtype``:
+    the layout :func:`unpack_kv` split, ready for the inverse all-to-all."""
+    b, un = dk.shape[:2]
+    return torch.cat((dk.reshape(b, un, 1, -1), dv.reshape(b, un, 1, -1)), dim=3).to(dtype)
+
+
+def unpack_kv_grads(d_packed: torch.Tensor, kv_heads: int, ulysses_size: int,
+                    head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adjoint of :func:`pack_kv`: ``[b, n, U, m*(d + d_v)]`` -> dk ``[b, n, h_kv, d]``, dv
+    ``[b, n, h_kv, d_v]``, summing the gradients of replicated heads (in ``d_packed``'s dtype:
+    pass float32 to sum exactly)."""
+    b, n, u, width = d_packed.shape
     m = kv_heads_per_rank(kv_heads, u)
-    grads = d_packed.reshape(b, n, u, 2, m, d)
-    dk, dv = grads[:, :, :, 0].reshape(b, n, u * m, d), grads[:, :, :, 1].reshape(b, n, u * m, d)
+    split = m * head_dim
+    d_v = (width - split) // m
+    dk = d_packed[..., :split].reshape(b, n, u * m, head_dim)
+    dv = d_packed[..., split:].reshape(b, n, u * m, d_v)
     index = _replication_index(kv_heads, u, d_packed.device)
     if index is None:
         return dk, dv
-    summed_k = torch.zeros((b, n, kv_heads, d), dtype=dk.dtype, device=dk.device).index_add_(2, index, dk)
-    summed_v = torch.zeros((b, n, kv_heads, d), dtype=dv.dtype, device=dv.device).index_add_(2, index, dv)
+    summed_k = torch.zeros((b, n, kv_heads, head_dim), dtype=dk.dtype, device=dk.device).index_add_(2, index, dk)
+    summed_v = torch.zeros((b, n, kv_heads, d_v), dtype=dv.dtype, device=dv.device).index_add_(2, index, dv)
     return summed_k, summed_v

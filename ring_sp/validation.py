@@ -25,7 +25,8 @@ def _describe(x: object) -> str:
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """q ``[b, s, h, d]``, k/v ``[b, s_kv, h_kv, d]``, same dtype and device, h % h_kv == 0."""
+    """q ``[b, s, h, d]``, k ``[b, s, h_kv, d]``, v ``[b, s, h_kv, d_v]``, same dtype and device,
+    h % h_kv == 0. The value head size ``d_v`` may differ from ``d`` (MLA)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor [batch, seq_local, heads, head_dim]; got {_describe(t)}")
@@ -42,8 +43,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise TypeError(f"q, k, v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}. Cast them first.")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device; got q {q.device}, k {k.device}, v {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must agree on [batch, seq_local, kv_heads] (only the head size may differ); "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size; got q.shape[0]={q.shape[0]}, k.shape[0]={k.shape[0]}")
     if q.shape[1] != k.shape[1]:
@@ -58,6 +62,23 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"q heads ({q.shape[2]}) must be a multiple of k/v heads ({k.shape[2]}) for GQA/MQA; "
             f"got q.shape[2]={q.shape[2]}, k.shape[2]={k.shape[2]}"
         )
+
+
+def check_sinks(sinks: object, q: torch.Tensor) -> None:
+    """``sinks`` is None or a 1-D float tensor of one logit per GLOBAL query head, on q's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor [heads] (one logit per query head) or None; got {_describe(sinks)}")
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[2]:
+        raise ValueError(
+            f"sinks must be 1-D with one logit per query head, shape ({q.shape[2]},) for q heads={q.shape[2]}; "
+            f"got {_describe(sinks)}. Pass this rank's (tensor-parallel) query heads, all of them."
+        )
+    if sinks.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"sinks.dtype={sinks.dtype} is not supported; use one of {_FLOAT_DTYPES}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}; got sinks on {sinks.device}")
 
 
 def check_options(*, causal: object, layout: object, softmax_scale: object, backend: object) -> None:

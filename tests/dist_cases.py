@@ -16,6 +16,7 @@ import ring_sp
 from oracle import (DTYPES, GRAD_TOL, LSE_ATOL, OUT_TOL, RATIO_FLOOR, assert_close, assert_lse_close,
                     make_inputs, max_abs_error, oracle_results)
 from ring_sp.kernels import get_kernel
+from ring_sp.merge import fold_sinks
 
 _TOPOLOGIES: dict[tuple[int, int, str], ring_sp.SequenceParallelTopology] = {}
 
@@ -47,11 +48,14 @@ class AttnCase:
     placement: str = "ulysses_inner"
     backend: str = "auto"
     packed: bool = False  # random documents (cu_seqlens) from the seed
+    sinks: bool | tuple[float, ...] = False  # one sink logit per query head: random (True) or these
+    d_v: int | None = None  # value head size (None = d; MLA when different)
 
     def label(self) -> str:
         return (f"{self.mode} U{self.ulysses}xR{self.ring} {self.placement} {self.layout} causal={self.causal} "
                 f"b={self.b} n={self.n_local} h={self.h}/{self.h_kv} d={self.d} {self.dtype} seed={self.seed}"
-                f"{' packed' if self.packed else ''}")
+                f"{' packed' if self.packed else ''}{f' sinks={self.sinks}' if self.sinks else ''}"
+                f"{f' d_v={self.d_v}' if self.d_v is not None else ''}")
 
 
 def random_documents(seq_len: int, seed: int, multiple: int = 1) -> tuple[int, ...]:
@@ -90,8 +94,12 @@ def _sp_coordinates(case: AttnCase) -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), 0
 
 
-def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None):
-    common = dict(causal=case.causal, layout=case.layout, backend=case.backend, cu_seqlens=cu_seqlens)
+def _sp_group(case: AttnCase) -> dist.ProcessGroup | None:
+    return topology(case.ulysses, case.ring, case.placement).sp_group if case.mode == "hybrid" else None
+
+
+def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None, sinks=None):
+    common = dict(causal=case.causal, layout=case.layout, backend=case.backend, cu_seqlens=cu_seqlens, sinks=sinks)
     if case.mode == "ring":
         return ring_sp.ring_attention(q, k, v, return_lse=True, **common)
     if case.mode == "ulysses":
@@ -103,12 +111,14 @@ def _single_device(inputs: dict[str, torch.Tensor], case: AttnCase, cu_seqlens: 
     """The same kernel in the same dtype on the full sequence (one call per document when
     packed), results in that dtype as a single-device user gets them: the ratio rule's yardstick."""
     q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
-    kernel = get_kernel(case.backend, q.device, q.dtype, q.shape[3])
+    kernel = get_kernel(case.backend, q.device, q.dtype, q.shape[3], v.shape[3])
     scale = q.shape[3] ** -0.5
     results: dict[str, list[torch.Tensor]] = {"out": [], "dq": [], "dk": [], "dv": []}
     for a, b in zip(cu_seqlens or (0, q.shape[1]), (cu_seqlens or (0, q.shape[1]))[1:]):
         doc = slice(a, b)
         out, lse = kernel.forward(q[:, doc], k[:, doc], v[:, doc], causal=case.causal, scale=scale)
+        if "sinks" in inputs:  # the single-device fold: the same formula, on the whole row at once
+            out, lse = fold_sinks(out, lse, inputs["sinks"])
         out = out.to(q.dtype)  # single-device training saves the output in the input dtype, as the ring does
         grads = kernel.backward(dout[:, doc], q[:, doc], k[:, doc], v[:, doc], out, lse, causal=case.causal, scale=scale)
         for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads)):
@@ -120,7 +130,8 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
     """Run one case on this rank; returns max abs errors of its shard vs the oracle."""
     sp_rank, sp_size, dp_rank = _sp_coordinates(case)
     dtype = DTYPES[case.dtype]
-    inputs = make_inputs(case.seed * 1000 + dp_rank, case.b, case.n_local * sp_size, case.h, case.h_kv, case.d, dtype)
+    inputs = make_inputs(case.seed * 1000 + dp_rank, case.b, case.n_local * sp_size, case.h, case.h_kv, case.d, dtype,
+                         d_v=case.d_v, sinks=case.sinks)
     cu = case_documents(case, sp_size)
     mask = None if cu is None else document_mask(cu, case.causal)
     expected = oracle_results(inputs, causal=case.causal and mask is None, mask=mask)
@@ -129,9 +140,12 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
         return ring_sp.shard_sequence(x, rank=sp_rank, world_size=sp_size, layout=case.layout, dim=dim, cu_seqlens=cu)
 
     q, k, v = (shard(inputs[n]).requires_grad_() for n in ("q", "k", "v"))
-    out, lse = _run_distributed(case, q, k, v, cu)
+    sinks = inputs["sinks"].clone().requires_grad_() if case.sinks else None
+    out, lse = _run_distributed(case, q, k, v, cu, sinks)
     out.backward(shard(inputs["dout"]))
     actual = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if sinks is not None:
+        actual["dsinks"] = sinks.grad
     for name, value in actual.items():
         if value.dtype != dtype:
             raise AssertionError(f"{case.label()}: {name}.dtype={value.dtype}, expected {dtype}")
@@ -139,12 +153,20 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
     errors: dict[str, float] = {}
     for name, value in actual.items():
         tol = OUT_TOL[dtype] if name == "out" else GRAD_TOL[dtype]
+        if name == "dsinks":  # each rank holds its rows' share: the sum over the SP ranks is the gradient
+            total = value.double()
+            dist.all_reduce(total, group=_sp_group(case))
+            errors[name] = assert_close(f"{case.label()} rank {dist.get_rank()} dsinks (summed over SP)", total,
+                                        expected["dsinks"], tol)
+            continue
         errors[name] = assert_close(f"{case.label()} rank {dist.get_rank()} {name}", value, shard(expected[name]), tol)
     if lse is not None:
         errors["lse"] = assert_lse_close(f"{case.label()} lse", lse, shard(expected["lse"], dim=2), LSE_ATOL[dtype])
     if dtype in RATIO_FLOOR:  # no worse than 2x the same kernel's own error on one device
         single = _single_device(inputs, case, cu)
         for name, value in actual.items():
+            if name not in single:  # dsinks: no single-device kernel computes it
+                continue
             own = max_abs_error(shard(single[name]), shard(expected[name]))
             floor = RATIO_FLOOR[dtype] * max(1.0, expected[name].abs().max().item())
             if errors[name] > 2 * own + floor:
@@ -204,28 +226,48 @@ class _ShardSummingGrads(torch.autograd.Function):
         return full, None, None, None, None
 
 
-def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring: int = 1) -> bool:
-    """Slow-mode float64 gradcheck of the whole distributed function on every rank."""
+class _SumGradsOverRanks(torch.autograd.Function):
+    """Identity for a tensor every rank uses whole (the sinks); backward sums its gradient
+    over ``group``: each rank's share is its rows', the whole is the sum."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring: int = 1, *,
+                   sinks: bool = False, d_v: int | None = None) -> bool:
+    """Slow-mode float64 gradcheck of the whole distributed function on every rank
+    (``sinks``: their gradient too; ``d_v``: v's head size)."""
     topo = topology(ulysses, ring) if mode == "hybrid" else None
     sp_rank, sp_size = (topo.sp_rank, topo.sp_size) if topo else (dist.get_rank(), dist.get_world_size())
     group = topo.sp_group if topo else None
     n = 2 * sp_size  # slow-mode gradcheck costs ~2 forwards per input element
     u = dist.get_world_size() if mode == "ulysses" else ulysses
     heads, kv_heads = (2, 2) if u == 1 else (u, max(1, u // 2))  # Ulysses: the KV replication path
-    inputs = make_inputs(7, 1, n, heads, kv_heads, 4, torch.float64)
+    inputs = make_inputs(7, 1, n, heads, kv_heads, 4, torch.float64, d_v=d_v, sinks=sinks)
 
-    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         shard = lambda x: _ShardSummingGrads.apply(x, sp_rank, sp_size, layout, group)  # noqa: E731
         q, k, v = shard(q), shard(k), shard(v)
+        extra = {"sinks": _SumGradsOverRanks.apply(rest[0], group)} if rest else {}
         if mode == "ring":
-            out = ring_sp.ring_attention(q, k, v, causal=causal, layout=layout)
+            out = ring_sp.ring_attention(q, k, v, causal=causal, layout=layout, **extra)
         elif mode == "ulysses":
-            out = ring_sp.ulysses_attention(q, k, v, causal=causal, layout=layout)
+            out = ring_sp.ulysses_attention(q, k, v, causal=causal, layout=layout, **extra)
         else:
-            out = ring_sp.hybrid_attention(q, k, v, topology=topo, causal=causal, layout=layout)
+            out = ring_sp.hybrid_attention(q, k, v, topology=topo, causal=causal, layout=layout, **extra)
         return topo.gather_sequence(out, layout=layout) if topo else ring_sp.gather_sequence(out, layout=layout)
 
-    leaves = tuple(inputs[name].clone().requires_grad_() for name in ("q", "k", "v"))
+    names = ("q", "k", "v", "sinks") if sinks else ("q", "k", "v")
+    leaves = tuple(inputs[name].clone().requires_grad_() for name in names)
     return torch.autograd.gradcheck(fn, leaves, fast_mode=False, atol=1e-8, rtol=1e-6)
 
 

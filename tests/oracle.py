@@ -39,8 +39,10 @@ def visibility_mask(seq_len: int, causal: bool) -> torch.Tensor | None:
 
 
 def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None = None,
-                     mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 (out ``[b, N, h, d]``, lse ``[b, h, N]``); GQA by repeat_interleave; autograd-able."""
+                     mask: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (out ``[b, N, h, d_v]``, lse ``[b, h, N]``); GQA by repeat_interleave; autograd-able.
+    ``sinks`` ``[h]``: one extra logit per head in every row's softmax, with no value (a
+    column of the score matrix whose probabilities are dropped, as gpt-oss writes it)."""
     h = q.shape[2]
     q, k, v = q.double(), k.double().repeat_interleave(h // k.shape[2], 2), v.double().repeat_interleave(h // v.shape[2], 2)
     scale = scale if scale is not None else q.shape[-1] ** -0.5
@@ -48,27 +50,45 @@ def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     visible = mask if mask is not None else visibility_mask(q.shape[1], causal)
     if visible is not None:
         s = s.masked_fill(~visible, -math.inf)
+    if sinks is not None:  # the sink column: in the denominator, then dropped
+        s = torch.cat((s, sinks.double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)), dim=-1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.masked_fill(torch.isneginf(lse), 0).unsqueeze(-1))
+    if sinks is not None:
+        p = p[..., :-1]
     return torch.einsum("bhqk,bkhd->bqhd", p, v), lse
 
 
-def make_inputs(seed: int, b: int, n: int, h: int, h_kv: int, d: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Global q, k, v, dout rounded to ``dtype`` (identical on every rank for one seed)."""
+def make_inputs(seed: int, b: int, n: int, h: int, h_kv: int, d: int, dtype: torch.dtype, *,
+                d_v: int | None = None, sinks: bool | tuple[float, ...] = False) -> dict[str, torch.Tensor]:
+    """Global q, k, v, dout rounded to ``dtype`` (identical on every rank for one seed);
+    ``d_v``: v's head size (None = d); ``sinks``: also one logit per head, ``2 * N(0, 1)``
+    (True) or these values (a tuple of length h)."""
     g = torch.Generator().manual_seed(seed)
-    shapes = {"q": (b, n, h, d), "k": (b, n, h_kv, d), "v": (b, n, h_kv, d), "dout": (b, n, h, d)}
-    return {name: torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for name, shape in shapes.items()}
+    d_v = d if d_v is None else d_v
+    shapes = {"q": (b, n, h, d), "k": (b, n, h_kv, d), "v": (b, n, h_kv, d_v), "dout": (b, n, h, d_v)}
+    inputs = {name: torch.randn(shape, generator=g, dtype=torch.float64).to(dtype) for name, shape in shapes.items()}
+    if sinks is True:
+        inputs["sinks"] = (2 * torch.randn(h, generator=g, dtype=torch.float64)).to(dtype)
+    elif sinks:
+        inputs["sinks"] = torch.tensor(sinks, dtype=torch.float64).to(dtype)
+    return inputs
 
 
 def oracle_results(inputs: dict[str, torch.Tensor], *, causal: bool, scale: float | None = None,
                    mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """float64 out, lse, dq, dk, dv for ``inputs`` (a random ``dout``, never ``out.sum()``)."""
+    """float64 out, lse, dq, dk, dv (and dsinks when ``inputs`` has sinks) for ``inputs``
+    (a random ``dout``, never ``out.sum()``)."""
     # detach() first: for float64 inputs .double() returns the input itself, and its
     # .grad would then accumulate across calls.
     q, k, v = (inputs[n].detach().double().requires_grad_() for n in ("q", "k", "v"))
-    out, lse = oracle_attention(q, k, v, causal=causal, scale=scale, mask=mask)
+    sinks = inputs["sinks"].detach().double().requires_grad_() if "sinks" in inputs else None
+    out, lse = oracle_attention(q, k, v, causal=causal, scale=scale, mask=mask, sinks=sinks)
     out.backward(inputs["dout"].double())
-    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    results = {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    if sinks is not None:
+        results["dsinks"] = sinks.grad
+    return results
 
 
 def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

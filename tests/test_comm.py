@@ -38,12 +38,12 @@ def _count_torch_collectives():
             setattr(dist, name, fn)
 
 
-def measure(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, dtype: str) -> dict:
+def measure(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, dtype: str, d_v: int | None = None) -> dict:
     topo = ring_sp.init_sequence_parallel(u, r)
     dt = getattr(torch, dtype)
     q = torch.randn(b, n, h, d, dtype=dt, requires_grad=True)
     k = torch.randn(b, n, h_kv, d, dtype=dt, requires_grad=True)
-    v = torch.randn(b, n, h_kv, d, dtype=dt, requires_grad=True)
+    v = torch.randn(b, n, h_kv, d if d_v is None else d_v, dtype=dt, requires_grad=True)
     with _count_torch_collectives() as first_calls:  # the first call of a shape agrees on it
         ring_sp.hybrid_attention(q, k, v, topology=topo, causal=True)
     with _count_torch_collectives() as fwd_calls, ring_sp.count_communication() as fwd:
@@ -54,15 +54,16 @@ def measure(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, dtype: st
             "first_calls": dict(first_calls)}
 
 
-@pytest.mark.parametrize("u,r,h,h_kv,dtype", [
-    (1, 4, 8, 2, "bfloat16"), (4, 1, 8, 2, "bfloat16"), (2, 2, 8, 2, "bfloat16"),
-    (2, 2, 8, 1, "float32"), (4, 1, 4, 4, "float32"),
+@pytest.mark.parametrize("u,r,h,h_kv,dtype,d_v", [
+    (1, 4, 8, 2, "bfloat16", None), (4, 1, 8, 2, "bfloat16", None), (2, 2, 8, 2, "bfloat16", None),
+    (2, 2, 8, 1, "float32", None), (4, 1, 4, 4, "float32", None),
+    (2, 2, 8, 2, "bfloat16", 8), (2, 2, 8, 1, "float32", 24),  # MLA: one packed message, d + d_v wide
 ])
-def test_bytes_and_calls_match_the_design(pools, u: int, r: int, h: int, h_kv: int, dtype: str) -> None:
+def test_bytes_and_calls_match_the_design(pools, u: int, r: int, h: int, h_kv: int, dtype: str, d_v: int | None) -> None:
     b, n, d = 2, 8, 16
-    results = pools.get(4).run(measure, u, r, b, n, h, h_kv, d, dtype)
+    results = pools.get(4).run(measure, u, r, b, n, h, h_kv, d, dtype, d_v)
     fwd, bwd = layer_bytes(ulysses=u, ring=r, batch=b, local_len=n, heads=h, kv_heads=h_kv, head_dim=d,
-                           dtype="bf16" if dtype == "bfloat16" else "fp32")
+                           dtype="bf16" if dtype == "bfloat16" else "fp32", value_head_dim=d_v)
     for res in results:
         assert res["fwd"] == fwd and res["bwd"] == bwd
         # nothing but the designed collectives: R-1 (fwd) / 2R-1 (bwd) exchanges, 3 all-to-alls each way

@@ -69,7 +69,7 @@ def _kernel(variant: str, dtype: torch.dtype, head_dim: int, monkeypatch: pytest
         reason = torch_cuda._flash_reason(dtype, head_dim, capability)
     else:
         reason = torch_cuda._efficient_reason(dtype, head_dim, capability)
-        monkeypatch.setattr(torch_cuda, "_use_flash", lambda q: False)
+        monkeypatch.setattr(torch_cuda, "_use_flash", lambda q, v: False)
     if reason is not None:
         pytest.skip(reason)
     return TorchCUDAKernel()
@@ -153,6 +153,27 @@ def test_two_key_blocks_with_global_statistics(
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d_v", [32, 128])
+def test_value_head_size_runs_on_the_efficient_op(dtype: torch.dtype, causal: bool, d_v: int) -> None:
+    """MLA head sizes (q/k 64, v 32 or 128): the flash op is refused, the efficient op runs them."""
+    assert "equal q/k and v head sizes" in torch_cuda._flash_reason(dtype, 64, torch.cuda.get_device_capability(), d_v)
+    assert torch_cuda.unavailable_reason(dtype, 64, d_v) is None
+    gen = torch.Generator().manual_seed(d_v)
+    shapes = dict(q=(2, 33, 8, 64), k=(2, 33, 2, 64), v=(2, 33, 2, d_v), dout=(2, 33, 8, d_v))
+    inputs = {n: torch.randn(sh, generator=gen, dtype=torch.float64).to("cuda", dtype) for n, sh in shapes.items()}
+    q, k, v, dout = inputs.values()
+    want = oracle_results(inputs, causal=causal, scale=0.125)
+    kernel = TorchCUDAKernel()
+    out, lse = kernel.forward(q, k, v, causal=causal, scale=0.125)
+    assert out.shape == (2, 33, 8, d_v)
+    assert_close("out", out, want["out"], _out_tol(dtype))
+    assert_lse_close("lse", lse, want["lse"], _lse_atol(dtype))
+    _check_grads(kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=0.125), want, dtype)
+
+
+@needs_cuda
 def test_torch_cuda_reasons_on_a_gpu() -> None:
     assert torch_cuda.unavailable_reason(torch.float64, 64).startswith("float64 has no fused CUDA attention op")
     assert torch_cuda.unavailable_reason(torch.float32, 64) is None
@@ -162,6 +183,29 @@ def test_torch_cuda_reasons_on_a_gpu() -> None:
 # ---------------------------------------------------------------------------------------------
 # Everywhere: reasons, lazy import, empty blocks
 # ---------------------------------------------------------------------------------------------
+
+
+def test_value_head_size_reasons() -> None:
+    """The flash op needs d_v == d; the efficient op aligns both head sizes; flash-attn refuses d_v != d."""
+    assert "equal q/k and v head sizes" in torch_cuda._flash_reason(torch.bfloat16, 64, (9, 0), 32)
+    assert "head sizes" not in (torch_cuda._flash_reason(torch.bfloat16, 64, (9, 0), 64) or "")  # CPU builds: no flash
+    assert torch_cuda._efficient_reason(torch.bfloat16, 64, (9, 0), 32) is None
+    assert "value head_dim divisible by 8" in torch_cuda._efficient_reason(torch.bfloat16, 64, (9, 0), 12)
+    if not isinstance(fa_backend._interface(), str):  # flash-attn installed: its own reason
+        assert "value head size" in fa_backend.unavailable_reason(torch.bfloat16, 64, 32)
+
+
+def test_efficient_op_plumbing_with_value_head_size_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = _SpyAten()
+    monkeypatch.setattr(torch_cuda, "_aten", spy)
+    monkeypatch.setattr(torch_cuda, "_use_flash", lambda q, v: False)
+    q = torch.empty(2, 17, 8, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 17, 2, 64, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(2, 17, 2, 32, device="meta", dtype=torch.bfloat16)
+    out, lse = TorchCUDAKernel().forward(q, k, v, causal=True, scale=0.125)
+    assert out.shape == (2, 17, 8, 32) and lse.shape == (2, 8, 17)
+    dq, dk, dv = TorchCUDAKernel().backward(out, q, k, v, out, lse, causal=True, scale=0.125)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
 
 @pytest.mark.skipif(CUDA, reason="checks the message given when CUDA is missing")
@@ -224,7 +268,7 @@ def test_aten_plumbing_on_meta(flash: bool, dtype: torch.dtype, monkeypatch: pyt
     """Shapes, the GQA expansion of the efficient op and its lse padding, against this torch's op schemas."""
     spy = _SpyAten()
     monkeypatch.setattr(torch_cuda, "_aten", spy)
-    monkeypatch.setattr(torch_cuda, "_use_flash", lambda q: flash)
+    monkeypatch.setattr(torch_cuda, "_use_flash", lambda q, v: flash)
     q = torch.empty(2, 17, 8, 64, device="meta", dtype=dtype)
     k = v = torch.empty(2, 17, 2, 64, device="meta", dtype=dtype)
     out, lse = TorchCUDAKernel().forward(q, k, v, causal=True, scale=0.125)

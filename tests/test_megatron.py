@@ -64,8 +64,8 @@ class PlainCoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
-def _config(tp: int, cp: int, per_token_loss: bool = False) -> TransformerConfig:
-    return TransformerConfig(
+def _config(tp: int, cp: int, per_token_loss: bool = False, **overrides) -> TransformerConfig:
+    return TransformerConfig(**overrides,
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=HEADS, num_query_groups=GROUPS,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32, use_cpu_initialization=True,
@@ -76,10 +76,11 @@ def _config(tp: int, cp: int, per_token_loss: bool = False) -> TransformerConfig
 
 
 def _model(layer_spec, tp: int, cp: int, full_params: dict[str, torch.Tensor] | None,
-           per_token_loss: bool = False) -> DistributedDataParallel:
-    """GPTModel + Megatron DDP; weights are this TP rank's slices of ``full_params``."""
+           per_token_loss: bool = False, **overrides) -> DistributedDataParallel:
+    """GPTModel + Megatron DDP; weights are this TP rank's slices of ``full_params``;
+    ``overrides``: TransformerConfig fields."""
     torch.manual_seed(0)
-    config = _config(tp, cp, per_token_loss)
+    config = _config(tp, cp, per_token_loss, **overrides)
     model = GPTModel(config, layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
                      share_embeddings_and_output_weights=False)
     rsm.install_layout_rope(model)  # megatron-core's own RoPE calls CUDA (see test_layout_rope_equals_megatrons)
@@ -132,11 +133,11 @@ def _grads(model: DistributedDataParallel) -> dict[str, torch.Tensor]:
     return {name: _tp_gather(p.main_grad, p) for name, p in model.module.named_parameters()}
 
 
-def _reference() -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _reference(core=None, **overrides) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """CP = 1, TP = 1 on the full sequence (every rank the same batch: DDP's mean is a no-op)."""
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
     try:
-        model = _model(replace_core(PlainCoreAttention), tp=1, cp=1, full_params=None)
+        model = _model(replace_core(core or PlainCoreAttention), tp=1, cp=1, full_params=None, **overrides)
         params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
         batch = _batch()
         losses = _forward(model, batch)
@@ -152,12 +153,13 @@ def replace_core(core_attention) -> object:
     return rsm.replace_core_attention(get_gpt_layer_local_spec(normalization="RMSNorm"), core_attention)
 
 
-def gpt_case(tp: int, cp: int, ulysses: int, hierarchical: bool) -> dict[str, object]:
+def gpt_case(tp: int, cp: int, ulysses: int, hierarchical: bool, reference_core=None, **overrides) -> dict[str, object]:
     """Loss and reduced gradients at TP x CP against the CP = 1 reference, under both
     ring_sp's loss (mean over the CP group, DDP averages) and Megatron-LM's
     ``--calculate-per-token-loss`` convention (local sums, DDP sums, finalize_model_grads
-    divides by the global token count)."""
-    ref_loss, params, ref_grads = _reference()
+    divides by the global token count). ``overrides``: TransformerConfig fields of both runs;
+    ``reference_core``: the CP = 1 core attention (default :class:`PlainCoreAttention`)."""
+    ref_loss, params, ref_grads = _reference(reference_core, **overrides)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, context_parallel_size=cp, create_gloo_process_groups=False,
         hierarchical_context_parallel_sizes=[ulysses, cp // ulysses] if hierarchical else None,
@@ -168,7 +170,7 @@ def gpt_case(tp: int, cp: int, ulysses: int, hierarchical: bool) -> dict[str, ob
         cp_group = parallel_state.get_context_parallel_group()
         shard = get_batch_on_this_cp_rank(_batch())  # Megatron's own zigzag sharding
 
-        model = _model(spec, tp, cp, params)
+        model = _model(spec, tp, cp, params, **overrides)
         losses = _forward(model, shard)
         loss = sequence_parallel_loss((losses * shard["loss_mask"]).sum(), shard["loss_mask"].sum(), group=cp_group,
                                      gradients_averaged_over_sp=True)
@@ -176,7 +178,7 @@ def gpt_case(tp: int, cp: int, ulysses: int, hierarchical: bool) -> dict[str, ob
         model.finish_grad_sync()
         grads = _grads(model)
 
-        per_token_model = _model(spec, tp, cp, params, per_token_loss=True)
+        per_token_model = _model(spec, tp, cp, params, per_token_loss=True, **overrides)
         local_sum = (_forward(per_token_model, shard) * shard["loss_mask"]).sum()
         local_sum.backward()
         finalize_model_grads([per_token_model], num_tokens=shard["loss_mask"].sum().to(torch.int))

@@ -22,7 +22,7 @@ CASES = [
     (dict(q=torch.randn(2, 8, 4, 16, dtype=torch.float64)), TypeError, r"q, k, v must share one dtype; got q torch.float64, k torch.float32"),
     (dict(q=torch.ones(2, 8, 4, 16, dtype=torch.int64)), TypeError, r"q.dtype=torch.int64 is not supported"),
     (dict(q=torch.randn(2, 8, 4, 16, device="meta")), ValueError, r"q, k, v must be on one device; got q meta, k cpu"),
-    (dict(v=torch.randn(2, 8, 1, 16)), ValueError, r"k and v must have the same shape; got k \(2, 8, 2, 16\), v \(2, 8, 1, 16\)"),
+    (dict(v=torch.randn(2, 8, 1, 16)), ValueError, r"k and v must agree on \[batch, seq_local, kv_heads\].*got k \(2, 8, 2, 16\), v \(2, 8, 1, 16\)"),
     (dict(q=torch.randn(3, 8, 4, 16)), ValueError, r"same batch size; got q.shape\[0\]=3, k.shape\[0\]=2"),
     (dict(q=torch.randn(2, 6, 4, 16)), ValueError, r"same local sequence length.*q.shape\[1\]=6, k.shape\[1\]=8"),
     (dict(q=torch.randn(2, 8, 4, 32)), ValueError, r"same head_dim; got q.shape\[3\]=32, k.shape\[3\]=16"),

@@ -65,7 +65,7 @@ def ring_sp_config_from_args(args: argparse.Namespace, *, rope_follows_layout: b
 
     Raises ``ValueError`` naming the offending argument(s) when the combination cannot
     work: sizes that do not divide, attention dropout (ring attention is exact and has
-    none), per-document attention masks, multi-latent attention, or a layout Megatron's
+    none), per-document attention masks, or a layout Megatron's
     RoPE does not slice by (zigzag, and per document for packed THD batches: pass
     ``rope_follows_layout=True`` when the model uses :func:`install_layout_rope`).
     Megatron-LM's argument names are read with defaults, so a smaller parser works too.
@@ -91,8 +91,6 @@ def ring_sp_config_from_args(args: argparse.Namespace, *, rope_follows_layout: b
             "--reset-attention-mask is not supported with --ring-sp: ring_sp ignores attention-mask tensors; "
             "pack documents as THD batches (packed_seq_params, --ring-sp-layout document_zigzag) instead"
         )
-    if _flag(args, "multi_latent_attention", False):
-        raise ValueError("--multi-latent-attention is not supported with --ring-sp (its q/k and v head sizes differ)")
     rope = _flag(args, "position_embedding_type") in ("rope", "yarn", "mrope")
     if unpacked_layout(config.layout) != "zigzag" and rope and not rope_follows_layout:
         raise ValueError(

@@ -8,11 +8,18 @@ back. Packed THD batches come as ``[t_local, heads, head_dim]`` (the batch dim o
 squeezed) and go back as ``[t_local, heads * head_dim]`` (:mod:`.packed`). Key/value
 arrive with the (per-TP-rank) query-group count, not expanded: ring_sp keeps them that way
 (only KV heads travel) and expands inside the local kernel.
+
+Attention sinks: ``softmax_type='learnable'`` holds the per-head offset as megatron-core's
+``DotProductAttention`` (and TransformerEngine's) does, a parameter ``softmax_offset`` of
+this TP rank's heads in ``params_dtype`` with the same sharded checkpoint entry, so
+checkpoints move between them; ``'off-by-one'`` is a sink of 0 (a buffer, not saved).
+Multi-latent attention (``MLASelfAttention``) hands ``k_channels``/``v_channels`` and a
+value head size different from q/k's: ring_sp attends with it as it is.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -20,6 +27,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from ring_sp import SequenceParallelTopology, hybrid_attention
 
@@ -43,7 +51,8 @@ class RingSPCoreAttention(MegatronModule):
     optional ``topology`` (default: :func:`topology_from_parallel_state` over
     ``pg_collection.cp``). Inputs must be sharded in ``ring_sp_config.layout`` by CP rank:
     zigzag is what ``get_batch_on_this_cp_rank`` produces, document_zigzag what
-    ``get_thd_batch_on_this_cp_rank`` produces for packed sequences. No parameters.
+    ``get_thd_batch_on_this_cp_rank`` produces for packed sequences. No parameters, except the
+    ``softmax_offset`` of ``softmax_type='learnable'`` (one sink logit per head).
     """
 
     def __init__(
@@ -58,9 +67,13 @@ class RingSPCoreAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
         ring_sp_config: Optional[RingSPConfig] = None,
         topology: Optional[SequenceParallelTopology] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ) -> None:
         super().__init__(config=config)
-        del layer_number, cp_comm_type  # no per-layer state; cp_comm_type picks TransformerEngine's CP algorithm
+        # No per-layer state; cp_comm_type picks TransformerEngine's CP algorithm; the head
+        # sizes MLA passes are read from the tensors.
+        del layer_number, cp_comm_type, k_channels, v_channels
         ring_sp_config = ring_sp_config if ring_sp_config is not None else _default_config()
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
@@ -83,6 +96,8 @@ class RingSPCoreAttention(MegatronModule):
                 f"(size {cp_group.size()}, rank {cp_group.rank()}): its SP group must be the CP group"
             )
         self.attn_mask_type = attn_mask_type
+        self.tp_group = pg_collection.tp
+        self._init_softmax_offset(config, config.num_attention_heads // pg_collection.tp.size())
         self.ring_sp_config = ring_sp_config
         self.topology = topology
         # None means 1/sqrt(head_dim), as in DotProductAttention. Its
@@ -100,10 +115,38 @@ class RingSPCoreAttention(MegatronModule):
             )
         if attention_type != "self":
             raise ValueError(f"attention_type={attention_type!r}: ring_sp supports self-attention only")
-        if config.softmax_type != "vanilla":
-            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by ring_sp attention; use 'vanilla'")
+        if config.softmax_type not in ("vanilla", "off-by-one", "learnable"):
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not one of 'vanilla', 'off-by-one', 'learnable'")
         if config.window_size is not None:
             raise ValueError(f"window_size={config.window_size} (sliding-window attention) is not supported by ring_sp")
+
+    def _init_softmax_offset(self, config: TransformerConfig, heads: int) -> None:
+        """``softmax_offset`` ``[heads]`` as megatron-core's DotProductAttention makes it: None
+        (vanilla), zeros (off-by-one), or a parameter initialised by ``config.init_method``."""
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        if config.softmax_type == "vanilla":
+            self.softmax_offset = None
+        elif config.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads, device=device, dtype=config.params_dtype),
+                                 persistent=False)
+        else:
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, device=device, dtype=config.params_dtype))
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: Tuple[Tuple[int, int, int], ...] = (),
+        metadata: Optional[dict] = None,
+    ):
+        """The learnable ``softmax_offset``, TP-sharded on dim 0, under DotProductAttention's key."""
+        if self.config.softmax_type != "learnable":
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"],
+        )
 
     def forward(
         self,
@@ -115,9 +158,10 @@ class RingSPCoreAttention(MegatronModule):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
-        """query ``[s, b, h, d]``, key/value ``[s, b, h_kv, d]`` (this CP rank's shard,
-        this TP rank's heads) -> context ``[s, b, h * d]``; with ``packed_seq_params`` in
-        THD format query ``[t, h, d]``, key/value ``[t, h_kv, d]`` -> ``[t, h * d]``.
+        """query ``[s, b, h, d]``, key ``[s, b, h_kv, d]``, value ``[s, b, h_kv, d_v]`` (this CP
+        rank's shard, this TP rank's heads; ``d_v != d`` under MLA) -> context ``[s, b, h * d_v]``;
+        with ``packed_seq_params`` in THD format query ``[t, h, d]``, key/value ``[t, h_kv, d]``
+        -> ``[t, h * d_v]``. ``softmax_type`` other than vanilla adds the per-head sinks.
 
         Packed sequences attend inside their documents (``packed_seq_params``'s padded
         boundaries when given). ``attention_mask`` is ignored for the causal mask types
@@ -146,7 +190,7 @@ class RingSPCoreAttention(MegatronModule):
             layout = unpacked_layout(layout)
         out = hybrid_attention(q, k, v, topology=self.topology, causal=causal, layout=layout,
                                softmax_scale=self.softmax_scale, backend=self.ring_sp_config.backend,
-                               cu_seqlens=cu_seqlens)
+                               cu_seqlens=cu_seqlens, sinks=self.softmax_offset)
         return out.reshape(q.shape[1], -1) if thd else out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     @staticmethod

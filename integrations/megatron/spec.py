@@ -45,13 +45,13 @@ def get_gpt_layer_ring_sp_spec(
     """megatron-core's local GPT ``TransformerLayer`` spec with ring_sp core attention.
 
     ``local_spec_kwargs`` go to ``get_gpt_layer_local_spec`` (e.g.
-    ``normalization="RMSNorm"``, ``qk_layernorm=True``, ``num_experts=8``).
+    ``normalization="RMSNorm"``, ``qk_layernorm=True``, ``num_experts=8``,
+    ``multi_latent_attention=True``: MLA's value head size differs from q/k's, which ring_sp
+    attends with as it is).
     ``ring_sp_config``/``topology`` are handed to every :class:`RingSPCoreAttention`
     (None: Megatron-LM's ``--ring-sp-*`` arguments or a pure ring, and a topology over
     Megatron's context-parallel group).
     """
-    if local_spec_kwargs.get("multi_latent_attention"):
-        raise ValueError("multi_latent_attention=True is not supported by ring_sp (its q/k and v head sizes differ)")
     params = {"ring_sp_config": ring_sp_config, "topology": topology}
     core_attention = ModuleSpec(module=RingSPCoreAttention, params={k: v for k, v in params.items() if v is not None})
     return replace_core_attention(get_gpt_layer_local_spec(**local_spec_kwargs), core_attention)
@@ -77,6 +77,7 @@ def megatron_lm_layer_spec() -> ModuleSpec:
         "qk_layernorm": getattr(args, "qk_layernorm", False),
         "normalization": getattr(args, "normalization", None),
         "qk_l2_norm": getattr(args, "qk_l2_norm", False),
+        "multi_latent_attention": getattr(args, "multi_latent_attention", False),
     }
     config = validate_ring_sp_args(args)
     if config is None:

@@ -8,6 +8,8 @@ Conventions (shared by every backend, so the ring loop never branches on the bac
 * Tensors are ``[batch, seq, heads, head_dim]`` ("bshd"). ``q`` has ``h`` heads,
   ``k``/``v`` have ``h_kv`` heads with ``h % h_kv == 0`` (GQA/MQA); a kernel expands KV
   heads internally if its op needs that, and returns ``dk``/``dv`` with ``h_kv`` heads.
+  ``v`` may have its own head size ``d_v`` (MLA); ``out`` then has ``d_v``. A backend whose
+  op needs ``d_v == d`` says so in its ``unavailable_reason``.
 * ``lse`` is ``[batch, heads, seq_q]`` float32 (float64 for float64 inputs): the natural
   log of the sum of ``exp(scale * q.k)`` over the keys this call saw; ``-inf`` for a row
   that saw none.
@@ -38,8 +40,9 @@ class AttentionKernel(Protocol):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[b, sq, h, d]``, k/v ``[b, sk, h_kv, d]`` -> out ``[b, sq, h, d]`` (q's dtype
-        or float32) and lse ``[b, h, sq]`` (float32, float64 for float64 inputs)."""
+        """q ``[b, sq, h, d]``, k ``[b, sk, h_kv, d]``, v ``[b, sk, h_kv, d_v]`` -> out
+        ``[b, sq, h, d_v]`` (q's dtype or float32) and lse ``[b, h, sq]`` (float32, float64
+        for float64 inputs)."""
         ...
 
     def backward(
@@ -54,8 +57,8 @@ class AttentionKernel(Protocol):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients of this block given the global ``out`` ``[b, sq, h, d]`` and
-        ``lse`` ``[b, h, sq]``: dq ``[b, sq, h, d]``, dk/dv ``[b, sk, h_kv, d]``."""
+        """Gradients of this block given the global ``out`` ``[b, sq, h, d_v]`` and
+        ``lse`` ``[b, h, sq]``: dq ``[b, sq, h, d]``, dk ``[b, sk, h_kv, d]``, dv ``[b, sk, h_kv, d_v]``."""
         ...
 
 
@@ -71,8 +74,8 @@ def check_block_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
             f"q, k, v must be 4-D [batch, seq, heads, head_dim]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree on batch, seq and heads; got k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
             f"q and k must agree on batch and head_dim; got q {tuple(q.shape)}, k {tuple(k.shape)}"
@@ -88,10 +91,10 @@ def check_block_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
         )
 
 
-def empty_block_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of a block with no keys: out 0, lse -inf. Some ops crash on empty inputs."""
+def empty_block_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out ``[b, sq, h, d_v]``, lse) of a block with no keys: out 0, lse -inf. Some ops crash on empty inputs."""
     b, s, h, _ = q.shape
-    out = torch.zeros_like(q)
+    out = torch.zeros((b, s, h, v.shape[3]), dtype=q.dtype, device=q.device)
     lse = torch.full((b, h, s), float("-inf"), dtype=softmax_stat_dtype(q.dtype), device=q.device)
     return out, lse
 
@@ -106,10 +109,11 @@ class FusedKernel(abc.ABC):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[b, sq, h, d]``, k/v ``[b, sk, h_kv, d]`` -> out ``[b, sq, h, d]``, lse ``[b, h, sq]``."""
+        """q ``[b, sq, h, d]``, k ``[b, sk, h_kv, d]``, v ``[b, sk, h_kv, d_v]`` -> out ``[b, sq, h, d_v]``,
+        lse ``[b, h, sq]``."""
         check_block_shapes(q, k, v, causal)
         if q.shape[1] == 0 or k.shape[1] == 0:
-            return empty_block_result(q)
+            return empty_block_result(q, v)
         return self._forward(q, k, v, causal, scale)
 
     def backward(
@@ -124,8 +128,8 @@ class FusedKernel(abc.ABC):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gradients given the GLOBAL out ``[b, sq, h, d]`` and lse ``[b, h, sq]``:
-        dq ``[b, sq, h, d]``, dk/dv ``[b, sk, h_kv, d]``."""
+        """Gradients given the GLOBAL out ``[b, sq, h, d_v]`` and lse ``[b, h, sq]``:
+        dq ``[b, sq, h, d]``, dk ``[b, sk, h_kv, d]``, dv ``[b, sk, h_kv, d_v]``."""
         if q.shape[1] == 0 or k.shape[1] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         # the fused kernels index lse as a dense [b, h, sq] buffer (a strided view is wrong)

@@ -61,11 +61,16 @@ def _interface() -> ModuleType | str:
     return flash_attn_interface
 
 
-def unavailable_reason(dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why flash-attn cannot run ``dtype``/``head_dim`` on the current GPU, or None."""
+def unavailable_reason(dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None) -> str | None:
+    """Why flash-attn cannot run ``dtype``/``head_dim`` on the current GPU, or None.
+    ``value_head_dim`` (None = ``head_dim``): flash-attn 2's kernels take one head size for
+    q, k and v; a different value head size (MLA) is refused here rather than padded."""
     interface = _interface()
     if isinstance(interface, str):
         return interface
+    if value_head_dim is not None and value_head_dim != head_dim:
+        return (f"flash-attn's low-level entry points need the value head size equal to the q/k head size; "
+                f"got head_dim={head_dim}, value head_dim={value_head_dim} (MLA)")
     if not torch.cuda.is_available():
         return "CUDA is not available here (torch.cuda.is_available() is False)"
     if dtype not in (torch.float16, torch.bfloat16):

@@ -11,6 +11,10 @@ returned in float32: the ring accumulates partials in float32 anyway, and roundi
 partial to bf16 first would add one rounding per ring step (measured: max error up to
 ~2.5x the single-device kernel's at R=4). On CPU this costs little: the bf16 forward runs
 at the fp32 speed, the backward ~1.4x slower.
+
+The op needs one head size for q, k AND v (torch 2.13 raises "Q/K/V should have the same
+head size"), so a different value head size (MLA) is unavailable here and ``auto`` picks
+the reference kernel on CPU for it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     """[b, s, h, d] view as [b, h, s, d], in float32 if x is bf16/fp16 (see module docstring)."""
     x = x.transpose(1, 2)
     return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+
+
+def unavailable_reason(head_dim: int, value_head_dim: int) -> str | None:
+    """Why the CPU op cannot run these head sizes, or None."""
+    if value_head_dim != head_dim:
+        return (f"PyTorch's CPU flash-attention op needs the value head size equal to the q/k head size; "
+                f"got head_dim={head_dim}, value head_dim={value_head_dim} (MLA)")
+    return None
 
 
 class TorchCPUKernel(FusedKernel):

@@ -6,7 +6,9 @@ torch/distributed/tensor/experimental/_context_parallel/_attention.py, relies on
 
 * ``_scaled_dot_product_flash_attention``: fp16/bf16, head_dim a multiple of 8 and <= 256,
   sm80+. Its flash-attn 2 port takes ``h_kv`` KV heads natively; lse is ``[b, h, sq]``.
-* ``_scaled_dot_product_efficient_attention``: fp32, and fp16/bf16 where flash cannot run.
+  It needs one head size for q, k and v.
+* ``_scaled_dot_product_efficient_attention``: fp32, and fp16/bf16 where flash cannot run,
+  including a value head size different from q/k's (MLA; each aligned as below).
   It needs equal head counts, so KV heads are expanded here and dk/dv summed back. Its lse
   is padded to a multiple of 32 queries (``kAlignLSE``), and its backward reads that padding,
   which must be +inf (what the forward writes there) so padded rows add exp(-inf) = 0.
@@ -39,8 +41,11 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _flash_reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str | None:
+def _flash_reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, int],
+                  value_head_dim: int | None = None) -> str | None:
     """Why the flash op cannot run this, or None."""
+    if value_head_dim is not None and value_head_dim != head_dim:
+        return f"the flash op needs equal q/k and v head sizes; got {head_dim} and {value_head_dim}"
     if dtype not in _HALF:
         return f"the flash op takes float16/bfloat16, not {dtype}"
     # is_flash_attention_available is missing from some torch >= 2.4 releases; assume built then.
@@ -53,30 +58,34 @@ def _flash_reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]
     return None
 
 
-def _efficient_reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, int]) -> str | None:
-    """Why the memory-efficient op cannot run this, or None (alignment rule of sdp_utils)."""
+def _efficient_reason(dtype: torch.dtype, head_dim: int, capability: tuple[int, int],
+                      value_head_dim: int | None = None) -> str | None:
+    """Why the memory-efficient op cannot run this, or None (alignment rule of sdp_utils,
+    which it applies to the q/k and the value head size alike)."""
     if dtype == torch.bfloat16 and capability < (8, 0):
         return f"bfloat16 attention needs an sm80+ GPU; this one is sm{capability[0]}{capability[1]}"
     align = 8 if dtype in _HALF else 4
-    if head_dim % align:
-        return f"PyTorch's memory-efficient attention needs head_dim divisible by {align} for {dtype}; got {head_dim}"
+    for name, size in (("head_dim", head_dim), ("value head_dim", value_head_dim if value_head_dim is not None else head_dim)):
+        if size % align:
+            return f"PyTorch's memory-efficient attention needs {name} divisible by {align} for {dtype}; got {size}"
     return None
 
 
-def unavailable_reason(dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why neither fused op can run ``dtype``/``head_dim`` on the current GPU, or None."""
+def unavailable_reason(dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None) -> str | None:
+    """Why neither fused op can run ``dtype``/``head_dim`` (and ``value_head_dim``, None = the
+    same) on the current GPU, or None."""
     if not torch.cuda.is_available():
         return "CUDA is not available here (torch.cuda.is_available() is False)"
     if dtype not in (*_HALF, torch.float32):
         return f"{str(dtype).removeprefix('torch.')} has no fused CUDA attention op (float16, bfloat16, float32 only)"
     capability = torch.cuda.get_device_capability()
-    if _flash_reason(dtype, head_dim, capability) is None:
+    if _flash_reason(dtype, head_dim, capability, value_head_dim) is None:
         return None
-    return _efficient_reason(dtype, head_dim, capability)
+    return _efficient_reason(dtype, head_dim, capability, value_head_dim)
 
 
-def _use_flash(q: torch.Tensor) -> bool:
-    return _flash_reason(q.dtype, q.shape[-1], _capability(q.device)) is None
+def _use_flash(q: torch.Tensor, v: torch.Tensor) -> bool:
+    return _flash_reason(q.dtype, q.shape[-1], _capability(q.device), v.shape[-1]) is None
 
 
 def _no_dropout_rng() -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +116,7 @@ class TorchCUDAKernel(FusedKernel):
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if _use_flash(q):
+        if _use_flash(q, v):
             out, lse = _aten._scaled_dot_product_flash_attention(
                 _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale
             )[:2]
@@ -121,7 +130,7 @@ class TorchCUDAKernel(FusedKernel):
     def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         seed, offset = _no_dropout_rng()
-        if _use_flash(q):
+        if _use_flash(q, v):
             dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
                 _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse,
                 None, None, q.shape[1], k.shape[1],  # cum_seq_q/k: None = dense (not varlen) batch

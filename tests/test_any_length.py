@@ -366,3 +366,54 @@ def test_any_length_random_sweep(pools, u: int, r: int) -> None:
         for causal, dtype in itertools.product((True, False), ("fp64", "fp32", "bf16")):
             cases.append(("hybrid", u, r, lengths, sum(lengths), "document_zigzag", causal, dtype, seed))
     pools.get(4 if u * r == 4 else 2).run(_run_all, cases, timeout=900)
+
+
+# ----------------------------------------------------------------------- Megatron THD helper
+
+def test_megatron_thd_batch_without_per_document_padding(single_rank) -> None:
+    """``thd_batch_on_this_cp_rank(per_document_padding=False)``: documents unpadded, only
+    the row's end (its own document); the default still pads every document to 2 x CP,
+    which megatron-core's THD RoPE needs (LayoutRotaryEmbedding refuses the unpadded batch)."""
+    pytest.importorskip("megatron.core")
+    import types
+
+    import ring_sp.integrations.megatron as rsm
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from ring_sp.integrations.megatron.packed import packed_attention_args
+
+    tokens = torch.arange(1, 24).view(1, 23)  # 23 tokens: documents 1, 7, 2, 13 over CP = 3
+    cu = [0, 1, 8, 10, 23]
+    shards = [rsm.thd_batch_on_this_cp_rank(tokens, cu, cp_rank=r, cp_size=3, per_document_padding=False) for r in range(3)]
+    params = shards[0][1]
+    assert params.cu_seqlens_q.tolist() == [0, 1, 8, 10, 23, 24] and params.cu_seqlens_q_padded is None
+    assert params.max_seqlen_q == 13 and all(s["tokens"].shape == (1, 8) for s, _ in shards)
+    full = {k: unshard_sequence(torch.stack([s[k] for s, _ in shards]), layout="document_zigzag",
+                                cu_seqlens=params.cu_seqlens_q, seq_len=23)[0].tolist()
+            for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    assert full["tokens"] == list(range(1, 24))
+    assert full["loss_mask"] == [0.0] + [1.0] * 6 + [0.0, 1.0, 0.0] + [1.0] * 12 + [0.0]
+    assert full["position_ids"] == [0, *range(7), 0, 1, *range(13)]
+    padded_shard, padded = rsm.thd_batch_on_this_cp_rank(tokens, cu, cp_rank=0, cp_size=3)
+    assert padded.cu_seqlens_q_padded.tolist() == [0, 6, 18, 24, 42] and padded_shard["tokens"].shape == (1, 14)
+    # CP = 1 (this process): the unpadded params reach ring_sp's attention unchanged
+    one, one_params = rsm.thd_batch_on_this_cp_rank(tokens, cu, cp_rank=0, cp_size=1, per_document_padding=False)
+    args = dict(local_len=23, batch=1, sp_group=single_rank, layout="document_zigzag", causal=False)
+    assert packed_attention_args(one_params, **args) == ((0, 1, 8, 10, 23), "document_zigzag")
+
+    class Group:  # the rank and size LayoutRotaryEmbedding reads of a CP group
+        def __init__(self, size: int) -> None:
+            self._size = size
+
+        def size(self) -> int:
+            return self._size
+
+        def rank(self) -> int:
+            return 0
+
+    rope = rsm.LayoutRotaryEmbedding(RotaryEmbedding(16, 1.0, use_cpu_initialization=True, cp_group=Group(3)),
+                                     layout="document_zigzag", cp_group=Group(3), device="cpu")
+    config = types.SimpleNamespace(sequence_parallel=False)
+    assert rope.get_rotary_seq_len(None, None, None, config, padded) == 18
+    with pytest.raises(ValueError, match=r"document 0 has 1 tokens, not a multiple of 2 x context-parallel size = 6.*"
+                                         r"per_document_padding=True.*position_embedding_type"):
+        rope.get_rotary_seq_len(None, None, None, config, params)

@@ -27,6 +27,7 @@ to local indices. Ranks hold disjoint tokens, so only the diagonal step has mask
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -110,18 +111,32 @@ def _document_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> dict[int,
     return {int(d): (int(stop - n), int(stop)) for d, n, stop in zip(ids, counts, stops)}
 
 
-def _global_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> dict[int, list[tuple[int, int, int]]]:
+Runs = dict[int, list[tuple[int, int, int]]]  # document -> [(global start, global stop, local start)]
+
+
+def _global_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> Runs:
     """Document id -> its runs of consecutive global positions in the (increasing) shard:
     ``(global start, global stop, local start)`` each."""
     docs = torch.searchsorted(torch.tensor(cu_seqlens), positions, right=True) - 1
-    breaks = ((positions.diff() != 1) | (docs.diff() != 0)).nonzero().flatten() + 1
-    starts = [0, *breaks.tolist()]
-    stops = [*starts[1:], positions.numel()]
-    runs: dict[int, list[tuple[int, int, int]]] = {}
-    for a, b in zip(starts, stops):
-        first = int(positions[a])
-        runs.setdefault(int(docs[a]), []).append((first, first + b - a, a))
+    starts = torch.cat((torch.zeros(1, dtype=torch.long), ((positions.diff() != 1) | (docs.diff() != 0)).nonzero().flatten() + 1))
+    stops = torch.cat((starts[1:], torch.tensor([positions.numel()])))
+    runs: Runs = {}
+    for doc, first, a, b in zip(docs[starts].tolist(), positions[starts].tolist(), starts.tolist(), stops.tolist()):
+        runs.setdefault(doc, []).append((first, first + b - a, a))
     return runs
+
+
+@functools.lru_cache(maxsize=8)  # keyed by the documents: a new packing can come every step
+def _ring_runs(ulysses_size: int, ring_size: int, seq_len: int, cu_seqlens: Boundaries) -> tuple[Runs, ...]:
+    """:func:`_global_runs` of every ring shard of ``document_zigzag``, once per packing."""
+    positions = ring_positions("document_zigzag", ulysses_size, ring_size, seq_len, cu_seqlens)
+    return tuple(_global_runs(row, cu_seqlens) for row in positions)
+
+
+def _local_span(runs: list[tuple[int, int, int]]) -> slice:
+    """A document's local indices in a shard: its runs are stored one after the other."""
+    first, last = runs[0], runs[-1]
+    return slice(first[2], last[2] + last[1] - last[0])
 
 
 def _merged(blocks: list[BlockTask]) -> list[BlockTask]:
@@ -142,14 +157,12 @@ def _merged(blocks: list[BlockTask]) -> list[BlockTask]:
     return sorted(blocks, key=lambda t: (t.q.start, t.kv.start))
 
 
-def _document_zigzag_tasks(causal: bool, rank: int, source: int, positions: torch.Tensor,
-                           cu_seqlens: Boundaries) -> tuple[BlockTask, ...]:
-    """The blocks of one step for ring shards ``positions`` ``[R, n]`` (increasing rows)."""
-    if source == rank or not causal:  # per document, all of its queries against all of its keys
-        q_runs, kv_runs = _document_runs(positions[rank], cu_seqlens), _document_runs(positions[source], cu_seqlens)
+def _document_zigzag_tasks(causal: bool, q_runs: Runs, kv_runs: Runs, diagonal: bool) -> tuple[BlockTask, ...]:
+    """The blocks of one step between two ring shards given by their runs."""
+    if diagonal or not causal:  # per document, all of its queries against all of its keys
         # on the diagonal the local order is the global order: one square causal block per document
-        return tuple(BlockTask(slice(*q), slice(*kv_runs[doc]), causal) for doc, q in q_runs.items() if doc in kv_runs)
-    q_runs, kv_runs = _global_runs(positions[rank], cu_seqlens), _global_runs(positions[source], cu_seqlens)
+        return tuple(BlockTask(_local_span(q), _local_span(kv_runs[doc]), causal)
+                     for doc, q in q_runs.items() if doc in kv_runs)
     blocks: list[BlockTask] = []
     for doc, queries in q_runs.items():
         for qa, qb, q_local in queries:
@@ -170,8 +183,9 @@ def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_s
     """
     seq_len = local_len * world_size
     if layout == "document_zigzag":
-        positions = ring_positions(layout, ulysses_size, world_size, seq_len, cu_seqlens)
-        return _document_zigzag_tasks(causal, rank, source, positions, cu_seqlens)
+        ring_positions(layout, ulysses_size, world_size, seq_len, cu_seqlens)  # validates (cached)
+        runs = _ring_runs(ulysses_size, world_size, seq_len, cu_seqlens)
+        return _document_zigzag_tasks(causal, runs[rank], runs[source], source == rank)
     positions = layout_positions(layout, world_size, seq_len, cu_seqlens)
     q_runs, kv_runs = _document_runs(positions[rank], cu_seqlens), _document_runs(positions[source], cu_seqlens)
     tasks: list[BlockTask] = []

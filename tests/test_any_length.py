@@ -417,3 +417,32 @@ def test_megatron_thd_batch_without_per_document_padding(single_rank) -> None:
     with pytest.raises(ValueError, match=r"document 0 has 1 tokens, not a multiple of 2 x context-parallel size = 6.*"
                                          r"per_document_padding=True.*position_embedding_type"):
         rope.get_rotary_seq_len(None, None, None, config, params)
+
+
+# --------------------------------------------------------------------- DeepSpeed collators
+
+def collators_case() -> list[list[int]]:
+    """Rows of 61 tokens over U2 x R2 (zigzag: padded to 64); packed documents of 5, 1, 29
+    and 26 tokens (document_zigzag: to 64, no document padded). Gathered back with
+    ``seq_len``: the rows, next-token labels, and the attention's boundaries."""
+    from dist_cases import topology
+    from ring_sp.integrations.deepspeed.data import PackingCollator, ShardingCollator
+
+    topo = topology(2, 2)
+    rows = [torch.arange(61) + 100 * i for i in range(2)]
+    plain = ShardingCollator(topo)(rows)
+    gather = lambda x, cu=None, layout="zigzag": topo.gather_sequence(x, layout=layout, cu_seqlens=cu, seq_len=61)  # noqa: E731
+    assert plain["input_ids"].shape == (2, 16) and plain["cu_seqlens"].tolist() == [0, 61, 64]
+    assert torch.equal(gather(plain["input_ids"]), torch.stack(rows))
+    assert gather(plain["labels"])[:, :-1].tolist() == torch.stack(rows)[:, 1:].tolist()
+    sample = {"input_ids": torch.arange(61), "cu_seqlens": torch.tensor([0, 5, 6, 35, 61])}
+    packed = PackingCollator(topo)([sample])
+    cu = packed["cu_seqlens"]
+    assert torch.equal(gather(packed["input_ids"], cu, "document_zigzag")[0], sample["input_ids"])
+    return [cu.tolist(), gather(packed["position_ids"], cu, "document_zigzag")[0].tolist()]
+
+
+def test_deepspeed_collators_take_any_length(pools) -> None:
+    for cu, positions in pools.get(4).run(collators_case, timeout=240):
+        assert cu == [0, 5, 6, 35, 61, 64]  # the documents unpadded, 3 tokens at the end as their own
+        assert positions == [*range(5), 0, *range(29), *range(26)]

@@ -79,20 +79,20 @@ def shard_batch(
     if input_ids.dim() != 2:
         raise ValueError(f"batch['input_ids'] must be [batch, seq]; got shape {tuple(input_ids.shape)}")
     b, n = input_ids.shape
-    boundaries = as_boundaries(cu_seqlens)
     if n == 0:
         raise ValueError("batch['input_ids'] has no tokens (shape[1] == 0); pass at least one token")
-    if boundaries is not None:
-        check_boundaries(boundaries, n)
+    real = boundaries = as_boundaries(cu_seqlens)  # the documents of the real tokens
+    if real is not None:
+        check_boundaries(real, n)
     padded = padded_length(n, layout, world_size)
-    if padded > n and (boundaries is not None or layout != "document_zigzag"):  # document_zigzag needs documents
-        boundaries = (boundaries if boundaries is not None else (0, n)) + (padded,)
+    if padded > n and (real is not None or layout != "document_zigzag"):  # document_zigzag needs documents
+        boundaries = (real if real is not None else (0, n)) + (padded,)  # the padding: a document of its own
     check_layout(layout, world_size, padded, name="batch['input_ids'].shape[1] (padded)", cu_seqlens=boundaries)
     full = dict(batch)
     labels = full.get("labels", input_ids)
-    full["labels"] = shift_labels(labels, ignore_index, cu_seqlens) if shift else labels
+    full["labels"] = shift_labels(labels, ignore_index, real) if shift else labels
     if "position_ids" not in full:
-        positions = torch.arange(n, device=input_ids.device) if cu_seqlens is None else document_positions(as_boundaries(cu_seqlens), input_ids.device)
+        positions = torch.arange(n, device=input_ids.device) if real is None else document_positions(real, input_ids.device)
         full["position_ids"] = positions.expand(b, n)
     fill = {"input_ids": pad_id, "labels": ignore_index}
     out = {}

@@ -75,7 +75,12 @@ def _short(values: Sequence[int]) -> str:
 
 def layout_unit(layout: str, world_size: int) -> int:
     """The global length must be a multiple of this many tokens: ``2 * world_size`` for
-    ``zigzag`` (two equal chunks per rank), ``world_size`` for the others (on one rank, 1)."""
+    ``zigzag`` (two equal chunks per rank), ``world_size`` for the others (on one rank, 1).
+    Raises ``ValueError`` for an unknown layout or ``world_size < 1``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1")
     return 2 * world_size if layout == "zigzag" and world_size > 1 else world_size
 
 
@@ -89,10 +94,6 @@ def check_layout(layout: str, world_size: int, seq_len: int, *, name: str = "seq
                  cu_seqlens: Boundaries | None = None) -> None:
     """Raise ``ValueError`` unless ``layout`` can split ``seq_len`` tokens over ``world_size`` ranks
     (``document_zigzag`` also needs the document boundaries ``cu_seqlens``, of any lengths)."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1")
     multiple = layout_unit(layout, world_size)
     if seq_len % multiple != 0 or seq_len == 0:
         raise ValueError(

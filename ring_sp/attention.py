@@ -83,7 +83,7 @@ def _prepare(
     reorder = ulysses_to_ring_reorder(layout, u, r, global_len, ring_rank, q.device, cu_seqlens) if u > 1 else None
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3], v.shape[3])
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
-                    resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens)
+                    resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens, ulysses_size=u)
     return ring, (UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None)
 
 

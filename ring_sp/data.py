@@ -4,6 +4,11 @@ Labels are shifted BEFORE sharding: the target of the last token of a shard is t
 token of the next shard in global order, which only the unsharded batch still has. With
 packed documents (``cu_seqlens``) labels are shifted inside each document (a token cannot
 see the next document, so its last token gets no target) and positions restart at 0.
+
+Any length: a batch whose length is not a multiple of the layout's unit
+(:func:`ring_sp.layouts.layout_unit`) is padded at its END, and the padding is its own
+document (``cu_seqlens`` gains one last boundary): no real token attends to it, its labels
+are ignored, and ``gather_sequence(..., seq_len=real length)`` drops it again.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .layouts import Boundaries, as_boundaries, check_boundaries, check_layout, shard_sequence
+from .layouts import Boundaries, as_boundaries, check_boundaries, check_layout, padded_length, shard_sequence
 
 IGNORE_INDEX = -100
 
@@ -45,8 +50,9 @@ def shard_batch(
     shift: bool = True,
     ignore_index: int = IGNORE_INDEX,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    pad_id: int = 0,
 ) -> dict[str, torch.Tensor]:
-    """This SP rank's shard of a ``[b, N]`` token batch.
+    """This SP rank's shard of a ``[b, N]`` token batch, for ANY length ``N``.
 
     ``batch`` holds ``input_ids`` and optionally ``labels`` (default: ``input_ids``) and
     ``position_ids`` (default: ``0..N-1``, or the position inside each document when
@@ -54,9 +60,18 @@ def shard_batch(
     sharded alike. With ``shift=True`` labels are next-token targets made by shifting left
     by one on the FULL sequence (Hugging Face convention: labels equal input_ids), inside
     each document when ``cu_seqlens`` is given; pass ``shift=False`` for labels that are
-    already per-position targets (Megatron convention). Returns ``[b, N / world_size]``
-    tensors; ``rank`` is the SP layout rank (``topology.sp_rank``). ``cu_seqlens``: the
-    document boundaries of the packed sequence (the same for every row of the batch).
+    already per-position targets (Megatron convention). ``rank`` is the SP layout rank
+    (``topology.sp_rank``). ``cu_seqlens``: the document boundaries of the packed sequence
+    (the same for every row of the batch), documents of any length.
+
+    When ``N`` is not a multiple of :func:`ring_sp.layouts.layout_unit` (``2 x world_size``
+    for zigzag, ``world_size`` otherwise) the batch is padded at its end to
+    ``N_pad = padded_length(N, layout, world_size)``: ``input_ids`` with ``pad_id``, labels
+    with ``ignore_index``, positions restarting at 0, other tensors with zeros. Returns
+    ``[b, N_pad / world_size]`` tensors, plus ``"cu_seqlens"`` (int32 ``[docs + 1]``, the
+    GLOBAL boundaries to pass to the attention, the padding as its own last document)
+    whenever ``cu_seqlens`` was given or padding was added; for unpadded batches without
+    documents there is no such key (nothing to pass).
     """
     if "input_ids" not in batch:
         raise ValueError(f"batch must contain 'input_ids'; got keys {sorted(batch)}")
@@ -64,20 +79,41 @@ def shard_batch(
     if input_ids.dim() != 2:
         raise ValueError(f"batch['input_ids'] must be [batch, seq]; got shape {tuple(input_ids.shape)}")
     b, n = input_ids.shape
-    boundaries = as_boundaries(cu_seqlens)
-    check_layout(layout, world_size, n, name="batch['input_ids'].shape[1]", cu_seqlens=boundaries)
+    if n == 0:
+        raise ValueError("batch['input_ids'] has no tokens (shape[1] == 0); pass at least one token")
+    real = boundaries = as_boundaries(cu_seqlens)  # the documents of the real tokens
+    if real is not None:
+        check_boundaries(real, n)
+    padded = padded_length(n, layout, world_size)
+    if padded > n and (real is not None or layout != "document_zigzag"):  # document_zigzag needs documents
+        boundaries = (real if real is not None else (0, n)) + (padded,)  # the padding: a document of its own
+    check_layout(layout, world_size, padded, name="batch['input_ids'].shape[1] (padded)", cu_seqlens=boundaries)
     full = dict(batch)
     labels = full.get("labels", input_ids)
-    full["labels"] = shift_labels(labels, ignore_index, boundaries) if shift else labels
+    full["labels"] = shift_labels(labels, ignore_index, real) if shift else labels
     if "position_ids" not in full:
-        positions = torch.arange(n, device=input_ids.device) if boundaries is None else document_positions(boundaries, input_ids.device)
+        positions = torch.arange(n, device=input_ids.device) if real is None else document_positions(real, input_ids.device)
         full["position_ids"] = positions.expand(b, n)
+    fill = {"input_ids": pad_id, "labels": ignore_index}
     out = {}
     for key, value in full.items():
         if value.dim() < 2 or value.shape[:2] != (b, n):
             raise ValueError(f"batch[{key!r}] must start with [batch, seq] = [{b}, {n}]; got {tuple(value.shape)}")
+        if padded > n:
+            value = _pad_tail(value, padded - n, fill.get(key, 0), positions=key == "position_ids")
         out[key] = shard_sequence(value, rank=rank, world_size=world_size, layout=layout, dim=1, cu_seqlens=boundaries)
+    if boundaries is not None:
+        out["cu_seqlens"] = torch.tensor(boundaries, dtype=torch.int32, device=input_ids.device)
     return out
+
+
+def _pad_tail(value: torch.Tensor, count: int, fill: int, *, positions: bool) -> torch.Tensor:
+    """``value`` ``[b, N, ...]`` with ``count`` tokens appended along dim 1: ``fill``, or
+    positions ``0..count-1`` (the padding document's own positions)."""
+    tail = value.new_full((value.shape[0], count, *value.shape[2:]), fill)
+    if positions:
+        tail = torch.arange(count, device=value.device, dtype=value.dtype).view(1, count, *([1] * (value.dim() - 2))).expand_as(tail)
+    return torch.cat((value, tail), dim=1)
 
 
 def pad_documents(
@@ -88,8 +124,10 @@ def pad_documents(
     pad_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
 ) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
-    """Pad every document of a packed ``[b, N]`` batch to a multiple of ``multiple`` tokens
-    (``2 x SP size`` for ``layout="document_zigzag"``), padding at each document's end.
+    """Pad every document of a packed ``[b, N]`` batch to a multiple of ``multiple`` tokens,
+    padding at each document's end. ``document_zigzag`` no longer needs it (it splits
+    documents of any length); it remains for the per-document padding of TransformerEngine's
+    THD format (``2 x CP``), which Megatron's THD RoPE requires.
 
     ``input_ids`` get ``pad_id``; ``labels`` (default: ``input_ids``) get ``ignore_index``
     so padding never enters the loss (call before :func:`shard_batch`, whose in-document

@@ -6,16 +6,25 @@ With ``P`` ranks and global length ``N`` (DESIGN.md section 3):
 * ``zigzag`` (the default): ``2P`` equal chunks; rank i holds chunk i then chunk
   ``2P-1-i``. This is Megatron's ``get_batch_on_this_cp_rank`` convention.
 * ``striped``: rank i holds tokens ``i, i+P, i+2P, ...``.
-* ``document_zigzag`` (packed sequences): zigzag applied to EVERY document: each document
-  (boundaries ``cu_seqlens``) is split into ``2P`` equal chunks and rank i holds chunks i
-  and ``2P-1-i`` of each, documents in order. Every rank gets the same causal work for any
-  mix of document lengths (plain zigzag can be 2-3x off); each document's length must be a
-  multiple of ``2P`` (pad documents, as TransformerEngine's THD format also requires).
+* ``document_zigzag`` (packed sequences): zigzag applied to EVERY document, for documents
+  of ANY length: each document (boundaries ``cu_seqlens``) is split into ``2P`` chunks whose
+  sizes differ by at most one token, and rank i holds chunks i and ``2P-1-i`` of each,
+  documents in order. A document of ``L = 2P*c + e`` tokens has ``e`` chunks of ``c + 1``;
+  those extra tokens are dealt round-robin over the ranks ACROSS documents (a running
+  counter, first chunks then second chunks), so every rank holds the same number of tokens
+  up to one, and exactly the same once the total is a multiple of ``P`` (pad the END of the
+  sequence with fewer than ``P`` tokens, as its own document: :func:`ring_sp.shard_batch`
+  does). A document whose length is a multiple of ``2P`` takes no extra token and is split
+  exactly as before (TransformerEngine's THD partitioning). Causal work is balanced for
+  any mix of document lengths (plain zigzag can be 2-3x off).
 
 Everything else (sharding, gathering, the post-Ulysses reorder, work counts) is derived
 from one function, :func:`layout_positions`, so the layout is defined exactly once.
 In every layout a rank's local order is increasing in global position, so each document
 occupies one contiguous run of a shard (the packed ring schedule relies on it).
+
+A global length must be a multiple of the layout's unit (:func:`layout_unit`: ``2P`` for
+zigzag, ``P`` otherwise); :func:`ring_sp.shard_batch` pads any length to it at the end.
 """
 
 from __future__ import annotations
@@ -64,34 +73,38 @@ def _short(values: Sequence[int]) -> str:
     return str(values) if len(values) <= 12 else f"[{', '.join(map(str, values[:6]))}, ..., {', '.join(map(str, values[-3:]))}] ({len(values)} values)"
 
 
-def check_layout(layout: str, world_size: int, seq_len: int, *, name: str = "seq_len",
-                 cu_seqlens: Boundaries | None = None) -> None:
-    """Raise ``ValueError`` unless ``layout`` can split ``seq_len`` tokens over ``world_size`` ranks
-    (and, for ``document_zigzag``, every document of ``cu_seqlens`` into ``2 * world_size`` chunks)."""
+def layout_unit(layout: str, world_size: int) -> int:
+    """The global length must be a multiple of this many tokens: ``2 * world_size`` for
+    ``zigzag`` (two equal chunks per rank), ``world_size`` for the others (on one rank, 1).
+    Raises ``ValueError`` for an unknown layout or ``world_size < 1``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    # zigzag needs 2 chunks per rank; on ONE rank every layout is the identity
-    multiple = 2 * world_size if layout in ("zigzag", "document_zigzag") and world_size > 1 else world_size
+    return 2 * world_size if layout == "zigzag" and world_size > 1 else world_size
+
+
+def padded_length(seq_len: int, layout: str, world_size: int) -> int:
+    """``seq_len`` rounded up to a multiple of :func:`layout_unit` (adds at most unit - 1)."""
+    unit = layout_unit(layout, world_size)
+    return -(-seq_len // unit) * unit
+
+
+def check_layout(layout: str, world_size: int, seq_len: int, *, name: str = "seq_len",
+                 cu_seqlens: Boundaries | None = None) -> None:
+    """Raise ``ValueError`` unless ``layout`` can split ``seq_len`` tokens over ``world_size`` ranks
+    (``document_zigzag`` also needs the document boundaries ``cu_seqlens``, of any lengths)."""
+    multiple = layout_unit(layout, world_size)
     if seq_len % multiple != 0 or seq_len == 0:
         raise ValueError(
             f"{name}={seq_len} must be a positive multiple of {multiple} for layout={layout!r} "
-            f"over {world_size} ranks; pad the sequence to a multiple of {multiple}"
+            f"over {world_size} ranks; pad the sequence at its end to {padded_length(max(seq_len, 1), layout, world_size)} "
+            f"tokens (ring_sp.shard_batch does it for any length, padding as its own document)"
         )
     if cu_seqlens is not None:
         check_boundaries(cu_seqlens, seq_len)
-    if layout == "document_zigzag":
-        if cu_seqlens is None:
-            raise ValueError("layout='document_zigzag' needs cu_seqlens (the document boundaries); pass cu_seqlens=")
-        lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
-        bad = next((i for i, n in enumerate(lengths) if n % multiple), None)
-        if bad is not None:
-            raise ValueError(
-                f"layout='document_zigzag' over {world_size} ranks needs every document length to be a "
-                f"multiple of {multiple}; document {bad} has length {lengths[bad]}. Pad each document to a "
-                f"multiple of {multiple} (ring_sp.pad_documents), or use layout='striped' (balanced without padding)"
-            )
+    if layout == "document_zigzag" and cu_seqlens is None:
+        raise ValueError("layout='document_zigzag' needs cu_seqlens (the document boundaries); pass cu_seqlens=")
 
 
 def _cached(fn):
@@ -114,8 +127,7 @@ def _positions(layout: str, world_size: int, seq_len: int, cu_seqlens: Boundarie
         return _zigzag(torch.arange(seq_len), world_size)
     if layout == "document_zigzag":
         assert cu_seqlens is not None  # check_layout ran
-        documents = [_zigzag(torch.arange(a, b), world_size) for a, b in zip(cu_seqlens, cu_seqlens[1:]) if b > a]
-        return torch.cat(documents, dim=1)
+        return _document_zigzag(cu_seqlens, world_size)
     # striped: token t lives on rank t % P at local index t // P
     return torch.arange(seq_len).view(-1, world_size).t().contiguous()
 
@@ -129,11 +141,32 @@ def _zigzag(tokens: torch.Tensor, world_size: int) -> torch.Tensor:
     return torch.cat([chunks[ranks], chunks[2 * world_size - 1 - ranks]], dim=1)
 
 
+def _document_zigzag(cu_seqlens: Boundaries, world_size: int) -> torch.Tensor:
+    """[P, N/P]: every document split into ``2P`` chunks of ``c`` or ``c + 1`` tokens, rank
+    i holding chunks i and ``2P-1-i`` of each (module docstring). Vectorised over documents."""
+    p2 = 2 * world_size
+    lengths = torch.tensor(cu_seqlens).diff()
+    base, extra = lengths // p2, lengths % p2
+    # The k-th extra token of the whole sequence goes to slot order[k % 2P]: the first chunks
+    # of ranks 0..P-1, then their second chunks, so rank(order[k]) = k % P (counts differ by
+    # at most one at every point) and a document's extras land in distinct chunks (e < 2P).
+    start = extra.cumsum(0) - extra  # extras dealt before each document
+    k = torch.arange(p2)
+    order = torch.where(k < world_size, k, 3 * world_size - 1 - k)  # k-th slot of the cycle
+    in_window = (k.unsqueeze(0) - start.unsqueeze(1)) % p2 < extra.unsqueeze(1)  # [docs, 2P], by cycle index
+    sizes = base.unsqueeze(1).expand(-1, p2).clone()
+    sizes[:, order] += in_window.long()  # [docs, 2P] chunk sizes, by slot
+    slot = torch.arange(p2).repeat(len(lengths)).repeat_interleave(sizes.reshape(-1))  # slot of every token
+    rank = torch.minimum(slot, p2 - 1 - slot)
+    # tokens of one rank keep their global order (stable sort): chunk i, then chunk 2P-1-i, per document
+    return torch.sort(rank, stable=True).indices.view(world_size, -1)
+
+
 def layout_positions(layout: str, world_size: int, seq_len: int,
                      cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
     """Global positions held by each rank: LongTensor ``[world_size, seq_len // world_size]``,
-    row i listing rank i's tokens in its local order. Read-only (cached). ``cu_seqlens``
-    is only used by ``document_zigzag``."""
+    row i listing rank i's tokens in its local order (increasing). Read-only (cached).
+    ``cu_seqlens`` is only used by ``document_zigzag``."""
     boundaries = as_boundaries(cu_seqlens)
     check_layout(layout, world_size, seq_len, cu_seqlens=boundaries)
     return _positions(layout, world_size, seq_len, _layout_key(layout, boundaries))
@@ -170,19 +203,22 @@ def shard_sequence(x: torch.Tensor, *, rank: int, world_size: int, layout: str =
 
 
 def unshard_sequence(shards: torch.Tensor, *, layout: str = "zigzag", dim: int = 1,
-                     cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+                     cu_seqlens: torch.Tensor | Sequence[int] | None = None, seq_len: int | None = None) -> torch.Tensor:
     """Inverse of :func:`shard_sequence` for all shards at once, without communication.
 
     ``shards`` stacks every rank's shard along a new leading dim: ``[P, ...]`` with the
-    local length along ``dim + 1``; returns the global tensor in natural token order.
+    local length along ``dim + 1``; returns the global tensor in natural token order, its
+    first ``seq_len`` tokens when given (dropping the padding :func:`ring_sp.shard_batch` added).
     """
     world_size = shards.shape[0]
     dim = dim % (shards.dim() - 1)
     concatenated = torch.cat(shards.unbind(0), dim=dim)
-    seq_len = concatenated.shape[dim]
+    total = concatenated.shape[dim]
     boundaries = as_boundaries(cu_seqlens)
-    check_layout(layout, world_size, seq_len, name="total sequence length", cu_seqlens=boundaries)
-    index = _index_on(layout, world_size, seq_len, _layout_key(layout, boundaries), None, concatenated.device)
+    check_layout(layout, world_size, total, name="total sequence length", cu_seqlens=boundaries)
+    index = _index_on(layout, world_size, total, _layout_key(layout, boundaries), None, concatenated.device)
+    if seq_len is not None:
+        index = index[:_real_length(seq_len, total)]
     return concatenated.index_select(dim, index)
 
 
@@ -221,20 +257,31 @@ def gather_sequence(
     dim: int = 1,
     layout_ranks: tuple[int, ...] | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+    seq_len: int | None = None,
 ) -> torch.Tensor:
     """Gather every rank's shard into the global sequence, in natural token order, on every rank.
 
     ``x``: this rank's shard, local length ``n`` along ``dim``; returns length
-    ``n * world_size`` along ``dim``. ``group=None`` is the default group. The group rank
-    is the layout rank unless ``layout_ranks[group_rank]`` says otherwise (use
-    ``topology.gather_sequence``, which passes it). Differentiable: the backward returns
-    this rank's slice of the gradient (all ranks are assumed to compute the same function
-    of the gathered tensor, as in a replicated loss). ``cu_seqlens``: for ``document_zigzag``.
+    ``n * world_size`` along ``dim``, or the first ``seq_len`` tokens when given (the real
+    length of a batch :func:`ring_sp.shard_batch` padded at its end: the padding is dropped).
+    ``group=None`` is the default group. The group rank is the layout rank unless
+    ``layout_ranks[group_rank]`` says otherwise (use ``topology.gather_sequence``, which
+    passes it). Differentiable: the backward returns this rank's slice of the gradient (all
+    ranks are assumed to compute the same function of the gathered tensor, as in a
+    replicated loss; padding gets a zero gradient). ``cu_seqlens``: the boundaries the
+    shards were made with (padding document included), for ``document_zigzag``.
     """
     if x.dim() == 0:
         raise ValueError("x must have a sequence dimension; got a 0-d tensor")
     dim = dim % x.dim()
-    return _GatherSequence.apply(x, group, layout, dim, layout_ranks, as_boundaries(cu_seqlens))
+    full = _GatherSequence.apply(x, group, layout, dim, layout_ranks, as_boundaries(cu_seqlens))
+    return full if seq_len is None else full.narrow(dim, 0, _real_length(seq_len, full.shape[dim]))
+
+
+def _real_length(seq_len: object, padded: int) -> int:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 0 < seq_len <= padded:
+        raise ValueError(f"seq_len={seq_len!r} must be an int in [1, {padded}] (the real length before padding)")
+    return seq_len
 
 
 def check_grid_layout(layout: str, ulysses_size: int, ring_size: int) -> None:
@@ -250,30 +297,47 @@ def check_grid_layout(layout: str, ulysses_size: int, ring_size: int) -> None:
         )
 
 
+@_cached
+def _ring_positions(layout: str, ulysses_size: int, ring_size: int, seq_len: int,
+                    cu_seqlens: Boundaries | None) -> torch.Tensor:
+    sp_positions = _positions(layout, ulysses_size * ring_size, seq_len, cu_seqlens)
+    if ulysses_size == 1:
+        return sp_positions
+    return sp_positions.reshape(ring_size, -1).sort(dim=1).values
+
+
+def ring_positions(layout: str, ulysses_size: int, ring_size: int, seq_len: int,
+                   cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+    """Global positions each RING rank holds after the Ulysses all-to-all: LongTensor
+    ``[ring_size, seq_len // ring_size]``, row r the union of the shards of its ``U`` members
+    (``sp_rank = r * U + u``) in increasing order. Derived from :func:`layout_positions` over
+    the SP group. For ``contiguous``, ``zigzag`` and ``document_zigzag`` with documents of
+    multiples of ``2 x SP`` tokens this is the layout over ``R`` ranks itself; in general
+    each document is at most two runs of a ring shard (a ring rank holds the consecutive
+    chunks ``rU .. rU+U-1`` and their mirror), which the packed schedule relies on."""
+    boundaries = as_boundaries(cu_seqlens)
+    check_grid_layout(layout, ulysses_size, ring_size)
+    check_layout(layout, ulysses_size * ring_size, seq_len, cu_seqlens=boundaries)
+    return _ring_positions(layout, ulysses_size, ring_size, seq_len, _layout_key(layout, boundaries))
+
+
 def ulysses_to_ring_order(layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int,
                           cu_seqlens: Boundaries | None = None) -> torch.Tensor | None:
-    """Reorder that turns the Ulysses all-to-all output into the ring's layout.
+    """Reorder that turns the Ulysses all-to-all output into the ring's shard.
 
     The layout is defined over the SP group with ``sp_rank = ring_rank * U + ulysses_rank``.
     After the all-to-all, ring rank ``r`` holds its ``U`` members' shards concatenated in
     Ulysses-rank order. Returns the index ``idx`` (LongTensor, length ``U * N / (U*R)``)
-    with ``ring_layout_shard = gathered[idx]``, or None when no reorder is needed
-    (``contiguous``, or U == 1). Raises ``ValueError`` when the gathered tokens are not a
-    ring layout shard at all (``striped`` with U > 1 and R > 1).
+    with ``ring_shard = gathered[idx]`` in :func:`ring_positions` order (increasing), or
+    None when no reorder is needed (``contiguous``, or U == 1). Raises ``ValueError`` for
+    ``striped`` with U > 1 and R > 1, whose ring shard is no striped shard of the ring.
     """
     check_grid_layout(layout, ulysses_size, ring_size)
     sp_size = ulysses_size * ring_size
     members = slice(ring_rank * ulysses_size, (ring_rank + 1) * ulysses_size)
     gathered = layout_positions(layout, sp_size, seq_len, cu_seqlens)[members].reshape(-1)
-    target = layout_positions(layout, ring_size, seq_len, cu_seqlens)[ring_rank]
-    if torch.equal(gathered, target):
-        return None
-    where = torch.full((seq_len,), -1, dtype=torch.long)
-    where[gathered] = torch.arange(gathered.numel())
-    index = where[target]
-    if (index < 0).any():  # every layout but striped (refused above) is closed under the all-to-all
-        raise AssertionError(f"layout={layout!r}: the Ulysses reorder is not a permutation (a ring_sp bug)")
-    return index
+    index = gathered.argsort()  # positions are distinct: the ring shard is the members' tokens in order
+    return None if torch.equal(index, torch.arange(index.numel())) else index
 
 
 @dataclass(frozen=True)

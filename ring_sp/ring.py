@@ -29,7 +29,7 @@ class RingSpec:
     documents), the kernel."""
 
     def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
-                 local_len: int, cu_seqlens: Boundaries | None = None) -> None:
+                 local_len: int, cu_seqlens: Boundaries | None = None, ulysses_size: int = 1) -> None:
         self.comm = comm
         self.kernel = kernel
         self.scale = scale
@@ -38,7 +38,8 @@ class RingSpec:
         # The whole schedule, once per call (forward and backward share it): the KV at step
         # t comes from rank (rank - t) mod R. With documents this is the costly part.
         self.schedule = tuple(
-            step_tasks(layout, causal, self.rank, (self.rank - step) % self.world_size, self.world_size, local_len, cu_seqlens)
+            step_tasks(layout, causal, self.rank, (self.rank - step) % self.world_size, self.world_size, local_len,
+                       cu_seqlens, ulysses_size)
             for step in range(self.world_size)
         )
         # One rank whose blocks never share a query row: nothing to merge, so no fp32

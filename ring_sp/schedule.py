@@ -17,16 +17,22 @@ Every masked block is square, so kernels' top-left/bottom-right conventions agre
 Packed sequences (``cu_seqlens``): a token sees only its own document. In every layout a
 document is one contiguous run of each shard, so each step's blocks are cut per document
 (:func:`packed_step_tasks`); steps sharing no document compute nothing, and no mask
-tensor is ever built.
+tensor is ever built. ``document_zigzag`` (documents of any length, chunks differing by a
+token) is scheduled from the ring ranks' positions alone: a ring shard is a union of runs
+of consecutive global positions, stored in increasing order, so each (query run, key run)
+pair of a document is cut in GLOBAL coordinates by :func:`_interval_blocks` and shifted
+to local indices. Ranks hold disjoint tokens, so only the diagonal step has masked blocks
+(one square causal block per document); every other block is full.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from .layouts import LAYOUTS, Boundaries, layout_positions
+from .layouts import LAYOUTS, Boundaries, layout_positions, ring_positions
 
 
 @dataclass(frozen=True)
@@ -105,21 +111,84 @@ def _document_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> dict[int,
     return {int(d): (int(stop - n), int(stop)) for d, n, stop in zip(ids, counts, stops)}
 
 
+Runs = dict[int, list[tuple[int, int, int]]]  # document -> [(global start, global stop, local start)]
+
+
+def _global_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> Runs:
+    """Document id -> its runs of consecutive global positions in the (increasing) shard:
+    ``(global start, global stop, local start)`` each."""
+    docs = torch.searchsorted(torch.tensor(cu_seqlens), positions, right=True) - 1
+    starts = torch.cat((torch.zeros(1, dtype=torch.long), ((positions.diff() != 1) | (docs.diff() != 0)).nonzero().flatten() + 1))
+    stops = torch.cat((starts[1:], torch.tensor([positions.numel()])))
+    runs: Runs = {}
+    for doc, first, a, b in zip(docs[starts].tolist(), positions[starts].tolist(), starts.tolist(), stops.tolist()):
+        runs.setdefault(doc, []).append((first, first + b - a, a))
+    return runs
+
+
+@functools.lru_cache(maxsize=8)  # keyed by the documents: a new packing can come every step
+def _ring_runs(ulysses_size: int, ring_size: int, seq_len: int, cu_seqlens: Boundaries) -> tuple[Runs, ...]:
+    """:func:`_global_runs` of every ring shard of ``document_zigzag``, once per packing."""
+    positions = ring_positions("document_zigzag", ulysses_size, ring_size, seq_len, cu_seqlens)
+    return tuple(_global_runs(row, cu_seqlens) for row in positions)
+
+
+def _local_span(runs: list[tuple[int, int, int]]) -> slice:
+    """A document's local indices in a shard: its runs are stored one after the other."""
+    first, last = runs[0], runs[-1]
+    return slice(first[2], last[2] + last[1] - last[0])
+
+
+def _merged(blocks: list[BlockTask]) -> list[BlockTask]:
+    """Full blocks that touch along one side become one (fewer kernel calls): the same
+    keys for adjacent query rows, then the same queries for adjacent keys."""
+    for same, along in (("kv", "q"), ("q", "kv")):
+        blocks = sorted(blocks, key=lambda t: (getattr(t, same).start, getattr(t, along).start))
+        out: list[BlockTask] = []
+        for t in blocks:
+            last = out[-1] if out else None
+            if (last is not None and not last.causal and not t.causal and getattr(last, same) == getattr(t, same)
+                    and getattr(last, along).stop == getattr(t, along).start):
+                grown = slice(getattr(last, along).start, getattr(t, along).stop)
+                out[-1] = BlockTask(grown, t.kv, False) if along == "q" else BlockTask(t.q, grown, False)
+            else:
+                out.append(t)
+        blocks = out
+    return sorted(blocks, key=lambda t: (t.q.start, t.kv.start))
+
+
+def _document_zigzag_tasks(causal: bool, q_runs: Runs, kv_runs: Runs, diagonal: bool) -> tuple[BlockTask, ...]:
+    """The blocks of one step between two ring shards given by their runs."""
+    if diagonal or not causal:  # per document, all of its queries against all of its keys
+        # on the diagonal the local order is the global order: one square causal block per document
+        return tuple(BlockTask(_local_span(q), _local_span(kv_runs[doc]), causal)
+                     for doc, q in q_runs.items() if doc in kv_runs)
+    blocks: list[BlockTask] = []
+    for doc, queries in q_runs.items():
+        for qa, qb, q_local in queries:
+            for ka, kb, kv_local in kv_runs.get(doc, ()):
+                blocks.extend(_shifted(t, q_local - qa, kv_local - ka) for t in _interval_blocks((qa, qb), (ka, kb), True))
+    return tuple(_merged(blocks))
+
+
 def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_size: int, local_len: int,
-                      cu_seqlens: Boundaries) -> tuple[BlockTask, ...]:
+                      cu_seqlens: Boundaries, ulysses_size: int = 1) -> tuple[BlockTask, ...]:
     """:func:`ring_step_tasks` restricted to pairs inside one document of ``cu_seqlens``.
 
-    ``document_zigzag`` is zigzag inside each document, so its blocks are zigzag's, per
-    document. For the other layouts each block of the plain schedule is cut by the
-    documents; a causal block's frame (query i vs key i) makes each cut an interval pair.
+    ``world_size`` is the ring size ``R`` and ``local_len`` the ring shard length (after
+    the Ulysses all-to-all over ``ulysses_size`` ranks: ``U`` times the SP shard).
+    ``document_zigzag`` is cut from the ring shards' global runs (module docstring). For the
+    other layouts each block of the plain schedule is cut by the documents; a causal
+    block's frame (query i vs key i) makes each cut an interval pair.
     """
-    positions = layout_positions(layout, world_size, local_len * world_size, cu_seqlens)
+    seq_len = local_len * world_size
+    if layout == "document_zigzag":
+        ring_positions(layout, ulysses_size, world_size, seq_len, cu_seqlens)  # validates (cached)
+        runs = _ring_runs(ulysses_size, world_size, seq_len, cu_seqlens)
+        return _document_zigzag_tasks(causal, runs[rank], runs[source], source == rank)
+    positions = layout_positions(layout, world_size, seq_len, cu_seqlens)
     q_runs, kv_runs = _document_runs(positions[rank], cu_seqlens), _document_runs(positions[source], cu_seqlens)
     tasks: list[BlockTask] = []
-    if layout == "document_zigzag":
-        for doc, (qa, qb) in q_runs.items():
-            tasks.extend(_shifted(t, qa, kv_runs[doc][0]) for t in ring_step_tasks("zigzag", causal, rank, source, qb - qa))
-        return tuple(tasks)
     for base in ring_step_tasks(layout, causal, rank, source, local_len):
         for doc, (qa, qb) in q_runs.items():
             if doc not in kv_runs:
@@ -133,21 +202,23 @@ def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_s
 
 
 def step_tasks(layout: str, causal: bool, rank: int, source: int, world_size: int, local_len: int,
-               cu_seqlens: Boundaries | None) -> tuple[BlockTask, ...]:
-    """The blocks of one ring step, with or without documents."""
+               cu_seqlens: Boundaries | None, ulysses_size: int = 1) -> tuple[BlockTask, ...]:
+    """The blocks of one ring step, with or without documents (``ulysses_size``: the
+    Ulysses group size ``U`` of the grid, which only ``document_zigzag``'s ring shards depend on)."""
     if cu_seqlens is None:
         return ring_step_tasks(layout, causal, rank, source, local_len)
-    return packed_step_tasks(layout, causal, rank, source, world_size, local_len, cu_seqlens)
+    return packed_step_tasks(layout, causal, rank, source, world_size, local_len, cu_seqlens, ulysses_size)
 
 
 def causal_work_per_rank(layout: str, world_size: int, local_len: int, causal: bool = True,
-                         cu_seqlens: Boundaries | None = None) -> list[int]:
+                         cu_seqlens: Boundaries | None = None, ulysses_size: int = 1) -> list[int]:
     """(query, key) pairs each ring rank computes over a whole ring pass: the load balance."""
     return [
         sum(
             task.visible_pairs()
             for step in range(world_size)
-            for task in step_tasks(layout, causal, rank, (rank - step) % world_size, world_size, local_len, cu_seqlens)
+            for task in step_tasks(layout, causal, rank, (rank - step) % world_size, world_size, local_len, cu_seqlens,
+                                   ulysses_size)
         )
         for rank in range(world_size)
     ]

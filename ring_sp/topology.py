@@ -145,16 +145,17 @@ class SequenceParallelTopology:
         return shard_sequence(x, rank=self.sp_rank, world_size=self.sp_size, layout=layout, dim=dim, cu_seqlens=cu_seqlens)
 
     def gather_sequence(self, x: torch.Tensor, *, layout: str = "zigzag", dim: int = 1,
-                        cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
-        """The global sequence from every SP rank's shard, in natural order (differentiable)."""
+                        cu_seqlens: torch.Tensor | Sequence[int] | None = None, seq_len: int | None = None) -> torch.Tensor:
+        """The global sequence from every SP rank's shard, in natural order (differentiable);
+        ``seq_len``: keep the first ``seq_len`` tokens (drop the padding ``shard_batch`` added)."""
         return gather_sequence(x, group=self.sp_group, layout=layout, dim=dim, layout_ranks=self.sp_group_layout_ranks,
-                               cu_seqlens=cu_seqlens)
+                               cu_seqlens=cu_seqlens, seq_len=seq_len)
 
     def shard_batch(self, batch: Mapping[str, torch.Tensor], *, layout: str = "zigzag", shift: bool = True,
-                    cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+                    cu_seqlens: torch.Tensor | Sequence[int] | None = None, pad_id: int = 0) -> dict[str, torch.Tensor]:
         """:func:`ring_sp.shard_batch` for this rank's ``sp_rank``."""
         return shard_batch(batch, rank=self.sp_rank, world_size=self.sp_size, layout=layout, shift=shift,
-                           cu_seqlens=cu_seqlens)
+                           cu_seqlens=cu_seqlens, pad_id=pad_id)
 
     def __repr__(self) -> str:
         return (

@@ -130,6 +130,6 @@ def check_local_length(layout: str, local_len: int, sp_size: int, *, name: str =
     if layout == "zigzag" and sp_size > 1 and local_len % 2 != 0:
         raise ValueError(
             f"{name}={local_len} must be even for layout='zigzag' (each shard is two equal chunks, "
-            f"so the global length must be a multiple of 2 x the sequence-parallel size); "
-            f"pad the sequence or use layout='contiguous'"
+            f"so the global length must be a multiple of 2 x the sequence-parallel size); shard with "
+            f"ring_sp.shard_batch, which pads any length at its end, or use layout='contiguous'"
         )

@@ -31,8 +31,9 @@ def test_shard_batch_keeps_pre_shifted_labels_and_other_keys() -> None:
              "loss_mask": torch.ones(1, 8)}
     shard = ring_sp.shard_batch(batch, rank=1, world_size=2, layout="contiguous", shift=False)
     assert shard["labels"].tolist() == [[14, 15, 16, 17]] and shard["loss_mask"].shape == (1, 4)
-    with pytest.raises(ValueError, match=r"batch\['input_ids'\].shape\[1\]=6 must be a positive multiple of 4"):
-        ring_sp.shard_batch({"input_ids": torch.zeros(1, 6, dtype=torch.long)}, rank=0, world_size=2, layout="zigzag")
+    # issue 14: any length is padded at its end (zigzag over 2 ranks: to a multiple of 4)
+    padded = ring_sp.shard_batch({"input_ids": torch.ones(1, 6, dtype=torch.long)}, rank=0, world_size=2, layout="zigzag")
+    assert padded["input_ids"].shape == (1, 4) and padded["cu_seqlens"].tolist() == [0, 6, 8]
 
 
 def _model(seed: int) -> dict[str, torch.Tensor]:

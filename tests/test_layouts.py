@@ -139,8 +139,11 @@ def test_document_boundaries_are_validated_with_the_fix() -> None:
     x = torch.zeros(1, 16)
     with pytest.raises(ValueError, match=r"needs cu_seqlens"):
         shard_sequence(x, rank=0, world_size=2, layout="document_zigzag")
-    with pytest.raises(ValueError, match=r"document 1 has length 6.*multiple of 4.*pad_documents.*striped"):
-        shard_sequence(x, rank=0, world_size=2, layout="document_zigzag", cu_seqlens=[0, 4, 10, 16])
+    # documents of any length (issue 14): lengths 4, 6, 6 over 2 ranks, no per-document padding
+    z = torch.arange(16).view(1, 16)
+    uneven = torch.stack([shard_sequence(z, rank=r, world_size=2, layout="document_zigzag", cu_seqlens=[0, 4, 10, 16])
+                          for r in range(2)])
+    assert torch.equal(unshard_sequence(uneven, layout="document_zigzag", cu_seqlens=[0, 4, 10, 16]), z)
     with pytest.raises(ValueError, match=r"cu_seqlens must start at 0 and end at the global sequence length 16"):
         shard_sequence(x, rank=0, world_size=2, layout="striped", cu_seqlens=[0, 4, 12])
     with pytest.raises(ValueError, match=r"must not decrease.*cu_seqlens\[1\]=8 > cu_seqlens\[2\]=4"):

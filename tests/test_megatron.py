@@ -76,14 +76,15 @@ def _config(tp: int, cp: int, per_token_loss: bool = False, **overrides) -> Tran
 
 
 def _model(layer_spec, tp: int, cp: int, full_params: dict[str, torch.Tensor] | None,
-           per_token_loss: bool = False, **overrides) -> DistributedDataParallel:
+           per_token_loss: bool = False, position_embedding_type: str = "rope", **overrides) -> DistributedDataParallel:
     """GPTModel + Megatron DDP; weights are this TP rank's slices of ``full_params``;
     ``overrides``: TransformerConfig fields."""
     torch.manual_seed(0)
     config = _config(tp, cp, per_token_loss, **overrides)
-    model = GPTModel(config, layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False)
-    rsm.install_layout_rope(model)  # megatron-core's own RoPE calls CUDA (see test_layout_rope_equals_megatrons)
+    model = GPTModel(config, layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     position_embedding_type=position_embedding_type, share_embeddings_and_output_weights=False)
+    if position_embedding_type == "rope":
+        rsm.install_layout_rope(model)  # megatron-core's own RoPE calls CUDA (see test_layout_rope_equals_megatrons)
     if full_params is not None:
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -263,14 +264,15 @@ def _documents() -> tuple[torch.Tensor, tuple[int, ...]]:
     return torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(11)), random_documents(60, seed=5)
 
 
-def _per_document_reference() -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _per_document_reference(position_embedding_type: str = "rope") -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """CP = 1 with plain causal SDPA, every real document of :func:`_documents` through the
     model on its own (never packed, padded or sharded; positions from 0): the token-mean
     loss over all documents, the weights and the gradients."""
     tokens, cu = _documents()
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
     try:
-        model = _model(replace_core(PlainCoreAttention), tp=1, cp=1, full_params=None)
+        model = _model(replace_core(PlainCoreAttention), tp=1, cp=1, full_params=None,
+                       position_embedding_type=position_embedding_type)
         params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
         total, count = 0.0, 0
         for a, b in zip(cu, cu[1:]):
@@ -599,3 +601,39 @@ def test_example_trains_on_packed_documents() -> None:
     assert [r["step"] for r in cp4] == [r["step"] for r in cp1] == [1, 2]
     for a, b in zip(cp4, cp1):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (cp4, cp1)
+
+
+# ------------------------------------------------------------- unpadded THD documents (issue 14)
+
+
+def unpadded_thd_case(ulysses: int) -> dict[str, object]:
+    """CP = 4 on THD documents of any length (``per_document_padding=False``: only the row's
+    end padded) in a model with learned absolute positions (megatron-core's THD RoPE needs
+    padded documents) against every document run alone at CP = 1."""
+    ref_loss, params, ref_grads = _per_document_reference("learned_absolute")
+    tokens, cu = _documents()
+    parallel_state.initialize_model_parallel(context_parallel_size=4, create_gloo_process_groups=False)
+    try:
+        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=False)
+        spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(ulysses_size=ulysses, layout="document_zigzag"),
+                                              normalization="RMSNorm")
+        model = _model(spec, 1, 4, params, position_embedding_type="learned_absolute")
+        losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
+        loss = sequence_parallel_loss((losses * shard["loss_mask"]).sum(), shard["loss_mask"].sum(),
+                                      group=parallel_state.get_context_parallel_group(), gradients_averaged_over_sp=True)
+        loss.backward()
+        model.finish_grad_sync()
+        grads = _grads(model)
+        return {"loss": loss.item(), "ref_loss": ref_loss, "tokens": 4 * shard["tokens"].shape[1],
+                "grad_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+                "ref_grad_max": max(g.abs().max().item() for g in ref_grads.values())}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("ulysses", [pytest.param(2, id="cp4-u2xr2"), pytest.param(1, id="cp4-u1xr4")])
+def test_unpadded_thd_documents_equal_per_document_cp1(pools, ulysses: int) -> None:
+    for r in pools.get(4).run(unpadded_thd_case, ulysses, timeout=240):
+        assert r["tokens"] == 60  # 60 real tokens, no document padded (60 is a multiple of CP = 4)
+        assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
+        assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6, r

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torch.utils.data import default_collate
 
-from ring_sp import SequenceParallelTopology, pad_documents, shard_batch
+from ring_sp import SequenceParallelTopology, shard_batch
 
 
 def sequence_parallel_sampler(
@@ -49,9 +49,13 @@ class ShardingCollator:
 
     A sample is a ``[N]`` token tensor (taken as ``input_ids``) or a mapping of ``[N, ...]``
     tensors with ``input_ids`` and optionally ``labels``, ``position_ids``, masks. Returns
-    ``{"input_ids", "labels", "position_ids", ...}``, each ``[b, N / sp_size, ...]``: see
+    ``{"input_ids", "labels", "position_ids", ...}``, each ``[b, N_pad / sp_size, ...]``: see
     :func:`ring_sp.shard_batch` for ``shift`` (True: labels are next-token targets made by
-    shifting on the full sequence). ``topology=None`` only stacks and shifts (SP size 1).
+    shifting on the full sequence). ``N`` may be any length: when it is not a multiple of
+    the layout's unit the batch is padded at its end (labels ignored) and ``cu_seqlens``
+    (int32, the padding as its own document) is added, to pass to the attention (needed
+    for non-causal attention; causal attention never sees the tail padding). ``topology=None``
+    only stacks and shifts (SP size 1).
     """
 
     def __init__(self, topology: SequenceParallelTopology | None, *, layout: str = "zigzag", shift: bool = True) -> None:
@@ -74,13 +78,15 @@ class PackingCollator:
     """``collate_fn`` for packed documents: the micro-batch becomes ONE packed row (THD).
 
     A sample is ``{"input_ids": [n], "cu_seqlens": [k + 1]}`` (its documents' boundaries,
-    0 .. n). The samples are concatenated into ``[1, sum n]`` with merged boundaries (our
-    ``cu_seqlens`` describes one row); for ``layout="document_zigzag"`` every document is
-    padded to a multiple of ``2 x sp_size`` (:func:`ring_sp.pad_documents`; padding never
-    enters the loss). The row is sharded for this SP rank with labels shifted inside each
-    document and positions restarting per document. Returns ``input_ids``, ``labels``,
-    ``position_ids`` ``[1, N / sp_size]`` and ``cu_seqlens`` (int32 ``[docs + 1]``, the
-    GLOBAL boundaries, the same on every rank of the SP group) to pass to the attention.
+    0 .. n). The samples are concatenated into ``[1, N = sum n]`` with merged boundaries (our
+    ``cu_seqlens`` describes one row). No document is padded (``document_zigzag`` splits
+    documents of any length); only the end of the row is, to a multiple of the layout's
+    unit, as its own document (fewer than ``sp_size`` tokens for ``document_zigzag``;
+    padding never enters the loss). The row is sharded for this SP rank with labels shifted
+    inside each document and positions restarting per document. Returns ``input_ids``,
+    ``labels``, ``position_ids`` ``[1, N_pad / sp_size]`` and ``cu_seqlens`` (int32
+    ``[docs + 1]``, the GLOBAL boundaries with the padding document, the same on every rank
+    of the SP group) to pass to the attention.
     """
 
     def __init__(self, topology: SequenceParallelTopology | None, *, layout: str = "document_zigzag", pad_id: int = 0) -> None:
@@ -97,16 +103,10 @@ class PackingCollator:
             offset = boundaries[-1]
             boundaries.extend(offset + int(end) for end in sample["cu_seqlens"].tolist()[1:])
         batch: dict[str, torch.Tensor] = {"input_ids": torch.cat(pieces).unsqueeze(0)}
-        sp_size = 1 if self.topology is None else self.topology.sp_size
         cu = tuple(boundaries)
-        if self.layout == "document_zigzag":
-            batch, cu = pad_documents(batch, cu, 2 * sp_size, pad_id=self.pad_id)
         if self.topology is None:
-            shard = shard_batch(batch, rank=0, world_size=1, layout=self.layout, cu_seqlens=cu)
-        else:
-            shard = self.topology.shard_batch(batch, layout=self.layout, cu_seqlens=cu)
-        shard["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
-        return shard
+            return shard_batch(batch, rank=0, world_size=1, layout=self.layout, cu_seqlens=cu, pad_id=self.pad_id)
+        return self.topology.shard_batch(batch, layout=self.layout, cu_seqlens=cu, pad_id=self.pad_id)
 
 
 def sequence_parallel_dataloader(

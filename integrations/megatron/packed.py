@@ -7,7 +7,8 @@ What megatron-core 0.16.1 hands the core attention with packed sequences:
   ``[t, heads * head_dim]`` back. With CP > 1 the tokens were sharded by TransformerEngine's
   ``thd_get_partitioned_indices`` over ``cu_seqlens_q_padded``: every padded document split
   into ``2 x CP`` chunks, CP rank c holding chunks c and ``2CP-1-c`` of each, documents in
-  order. That is ring_sp's ``document_zigzag`` layout.
+  order. That is ring_sp's ``document_zigzag`` layout (which also splits documents of any
+  length, for models without megatron-core's THD RoPE: :func:`thd_batch_on_this_cp_rank`).
 * ``qkv_format="sbhd"`` (``get_batch_on_this_hybrid_cp_rank``): ``[s, b, heads, head_dim]``
   as usual, sharded by ``get_batch_on_this_cp_rank`` (plain zigzag), and the boundaries
   ``[0, s]`` of the one sample per row.
@@ -159,19 +160,29 @@ def thd_batch_on_this_cp_rank(
     cp_rank: int | None = None,
     cp_size: int | None = None,
     pad_id: int = 0,
+    per_document_padding: bool = True,
 ) -> tuple[dict[str, torch.Tensor], PackedSeqParams]:
     """One packed row as Megatron's THD path feeds it to a CP rank, on any device.
 
     ``input_ids`` ``[1, N]``: documents end to end, boundaries ``cu_seqlens``
-    ``[num_docs + 1]`` (0 to N). Every document is padded at its end to a multiple of
-    ``2 x cp_size`` (:func:`ring_sp.pad_documents`) and this rank's shard taken per document
-    (``document_zigzag``, as ``get_thd_batch_on_this_cp_rank`` does with TransformerEngine,
-    which needs CUDA). Returns Megatron's batch keys ``tokens``, ``labels`` (the next token
-    inside the document), ``loss_mask`` (0 at each document's last token and on padding)
-    and ``position_ids`` (restarting per document), each ``[1, N_padded / cp_size]``, and
-    the ``PackedSeqParams`` (THD; real lengths in ``cu_seqlens_q``, padded offsets in
-    ``cu_seqlens_q_padded``, ``max_seqlen_q`` the longest padded document, which Megatron's
-    RoPE needs). ``cp_rank``/``cp_size`` default to Megatron's context-parallel group.
+    ``[num_docs + 1]`` (0 to N), any lengths. With ``per_document_padding=True`` (the
+    default) every document is padded at its end to a multiple of ``2 x cp_size``
+    (:func:`ring_sp.pad_documents`), as ``get_thd_batch_on_this_cp_rank`` and
+    TransformerEngine do: megatron-core's THD RoPE (``_apply_rotary_pos_emb_thd``) cuts
+    every CP rank's tokens into ``len // cp_size`` per document and each of those into two
+    equal zigzag halves, so it needs documents of multiples of ``2 x CP``. With
+    ``per_document_padding=False`` no document is padded (``document_zigzag`` splits any
+    length) and only the end of the row is, as its own document: for models WITHOUT
+    megatron-core's rotary embedding (``position_embedding_type="learned_absolute"`` or
+    ``"none"``); with it, :class:`LayoutRotaryEmbedding` refuses such a batch.
+
+    This rank's shard is taken per document (``document_zigzag``). Returns Megatron's batch
+    keys ``tokens``, ``labels`` (the next token inside the document), ``loss_mask`` (0 at
+    each document's last token and on padding) and ``position_ids`` (restarting per
+    document), each ``[1, N_padded / cp_size]``, and the ``PackedSeqParams`` (THD; real
+    lengths in ``cu_seqlens_q``, padded offsets in ``cu_seqlens_q_padded`` when documents
+    are padded; ``max_seqlen_q`` the longest (padded) document, which Megatron's RoPE
+    needs). ``cp_rank``/``cp_size`` default to Megatron's context-parallel group.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -179,15 +190,21 @@ def thd_batch_on_this_cp_rank(
         from megatron.core import parallel_state
 
         cp_rank, cp_size = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
-    padded, padded_cu = ring_sp.pad_documents({"input_ids": input_ids}, cu_seqlens, 2 * cp_size, pad_id=pad_id)
-    shard = ring_sp.shard_batch(padded, rank=cp_rank, world_size=cp_size, layout="document_zigzag",
-                                cu_seqlens=padded_cu)
+    batch, cu = {"input_ids": input_ids}, as_boundaries(cu_seqlens)
+    if per_document_padding:
+        batch, cu = ring_sp.pad_documents(batch, cu, 2 * cp_size, pad_id=pad_id)
+    shard = ring_sp.shard_batch(batch, rank=cp_rank, world_size=cp_size, layout="document_zigzag", cu_seqlens=cu,
+                                pad_id=pad_id)
     ignored = shard["labels"] == IGNORE_INDEX
-    batch = {"tokens": shard["input_ids"], "labels": shard["labels"].masked_fill(ignored, 0),
-             "loss_mask": (~ignored).float(), "position_ids": shard["position_ids"]}
-    real, padded_cu = (torch.tensor(c, dtype=torch.int32, device=input_ids.device)
-                       for c in (as_boundaries(cu_seqlens), padded_cu))
-    longest = int((padded_cu[1:] - padded_cu[:-1]).max())
-    return batch, PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
-                                  cu_seqlens_q_padded=padded_cu, cu_seqlens_kv_padded=padded_cu,
-                                  max_seqlen_q=longest, max_seqlen_kv=longest)
+    tokens = {"tokens": shard["input_ids"], "labels": shard["labels"].masked_fill(ignored, 0),
+              "loss_mask": (~ignored).float(), "position_ids": shard["position_ids"]}
+    sharded_cu = shard["cu_seqlens"].to(device=input_ids.device)  # what the shards follow (padding included)
+    longest = int(sharded_cu.diff().max())
+    if per_document_padding:
+        real = torch.tensor(as_boundaries(cu_seqlens), dtype=torch.int32, device=input_ids.device)
+        return tokens, PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                                       cu_seqlens_q_padded=sharded_cu, cu_seqlens_kv_padded=sharded_cu,
+                                       max_seqlen_q=longest, max_seqlen_kv=longest)
+    # The row's tail padding is a document of its own: "real" for the attention, never in the loss.
+    return tokens, PackedSeqParams(qkv_format="thd", cu_seqlens_q=sharded_cu, cu_seqlens_kv=sharded_cu,
+                                   max_seqlen_q=longest, max_seqlen_kv=longest)

@@ -52,7 +52,12 @@ class LayoutRotaryEmbedding(nn.Module):
         self._last: tuple[tuple[int, int, bool], torch.Tensor] | None = None  # one length per run: cache it
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
-        """The global length to compute RoPE for (Megatron's rule, unchanged)."""
+        """The global length to compute RoPE for (Megatron's rule, unchanged). Refuses THD
+        documents that megatron-core's THD RoPE cannot slice (see :func:`check_thd_rope_documents`)."""
+        params = kwargs.get("packed_seq_params", args[4] if len(args) > 4 else None)
+        group = self.cp_group
+        if params is not None and params.qkv_format == "thd" and group is not None:
+            check_thd_rope_documents(params, group.size())
         return self.rotary.get_rotary_seq_len(*args, **kwargs)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
@@ -74,6 +79,25 @@ class LayoutRotaryEmbedding(nn.Module):
         emb = emb[:, None, None, :]
         self._last = ((max_seq_len, offset, packed_seq), emb)
         return emb
+
+
+def check_thd_rope_documents(params, cp_size: int) -> None:
+    """megatron-core's THD RoPE (``_apply_rotary_pos_emb_thd``) splits a CP rank's tokens
+    into ``len // cp_size`` per document (``cu_seqlens_q_padded``, else ``cu_seqlens_q``) and
+    each piece into two equal zigzag halves: every document must be a multiple of
+    ``2 x cp_size`` tokens, or its rotations land on the wrong tokens (or torch.split fails)."""
+    if cp_size <= 1:
+        return
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    lengths = cu.diff().tolist()
+    bad = next((i for i, n in enumerate(lengths) if n % (2 * cp_size)), None)
+    if bad is not None:
+        raise ValueError(
+            f"packed_seq_params: document {bad} has {lengths[bad]} tokens, not a multiple of 2 x context-parallel "
+            f"size = {2 * cp_size}; megatron-core's THD RoPE slices every document into 2 x CP equal chunks. Pad "
+            f"each document (thd_batch_on_this_cp_rank(..., per_document_padding=True), the default), or train "
+            f"without rotary embeddings (position_embedding_type='learned_absolute' or 'none') to keep documents unpadded"
+        )
 
 
 def install_layout_rope(model: nn.Module, *, layout: str = "zigzag", device: torch.device | str | None = None) -> None:

@@ -28,7 +28,8 @@ from .kernels import get_kernel
 from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_reorder
 from .ring import RingSpec, ring_comm_for
 from .topology import SequenceParallelTopology
-from .validation import check_cu_seqlens, check_group, check_local_length, check_options, check_qkv, resolve_scale
+from .validation import (check_cu_seqlens, check_group, check_local_length, check_options, check_qkv, resolve_scale,
+                         check_sliding_window)
 
 
 def check_ulysses_heads(heads: int, kv_heads: int, ulysses_size: int) -> None:
@@ -63,10 +64,12 @@ def _prepare(
     backend: str,
     return_lse: bool,
     cu_seqlens: Boundaries | None,
+    sliding_window: int | None = None,
 ) -> tuple[RingSpec, UlyssesSpec | None]:
     """Every local check, then the plan of the call. Raises before any collective."""
     check_qkv(q, k, v)
     check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
+    check_sliding_window(sliding_window, causal)
     u, r = _size(ulysses_group), _size(ring_group)
     check_local_length(layout, q.shape[1], u * r)
     global_len = q.shape[1] * u * r
@@ -79,8 +82,10 @@ def _prepare(
     ring_rank = dist.get_rank(ring_group) if ring_group is not None else 0
     reorder = ulysses_to_ring_reorder(layout, u, r, global_len, ring_rank, q.device, cu_seqlens) if u > 1 else None
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3])
+    # A window covering the whole sequence is plain causal attention: the same schedule, bit for bit.
+    window = sliding_window if sliding_window is not None and sliding_window < global_len else None
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
-                    resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens)
+                    resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens, window=window)
     return ring, (UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None)
 
 
@@ -99,9 +104,11 @@ def _attention(
     return_lse: bool,
     validate: bool | None,
     cu_seqlens: torch.Tensor | list[int] | None,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
-    options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
+    options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
+                   sliding_window=sliding_window)
     always = validation_requested(validate)
     boundaries = None
     try:
@@ -142,6 +149,7 @@ def ring_attention(
     return_lse: bool = False,
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ring attention over ``group`` (None = the default group).
 
@@ -154,11 +162,17 @@ def ring_attention(
     ``cu_seqlens``: packed sequences - int ``[num_docs + 1]`` boundaries of the documents
     in the GLOBAL sequence, the same on every rank; a token attends only inside its own
     document (``layout="document_zigzag"`` balances causal work for any document mix).
+    ``sliding_window``: causal sliding-window attention, query at global position ``i``
+    sees key ``j`` iff ``i - sliding_window < j <= i`` (transformers' meaning: that many
+    keys, itself included; with ``cu_seqlens`` also the same document). Ranks then exchange
+    KV and dK/dV only with the ranks holding keys inside some query's window (a halo);
+    pairs with nothing to compute neither compute nor communicate. Needs ``causal=True``.
     """
     ring_group = _group_or_world(group)
     out, lse = _attention(q, k, v, ulysses_group=None, ring_group=ring_group, agreement_group=ring_group,
                           causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                          return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens)
+                          return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens,
+                          sliding_window=sliding_window)
     return (out, lse) if return_lse else out
 
 
@@ -174,6 +188,7 @@ def ulysses_attention(
     backend: str = "auto",
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention over ``group`` (None = the default group).
 
@@ -181,12 +196,12 @@ def ulysses_attention(
     (every layout works: the all-to-all output is put back in natural order). Needs
     ``h % U == 0`` and ``h_kv % U == 0`` or ``U % h_kv == 0`` (KV heads are then
     replicated only to the ranks that need them). Returns ``[b, n, h, d]``.
-    ``validate`` and ``cu_seqlens``: as in :func:`ring_attention`.
+    ``validate``, ``cu_seqlens`` and ``sliding_window``: as in :func:`ring_attention`.
     """
     ulysses_group = _group_or_world(group)
     return _attention(q, k, v, ulysses_group=ulysses_group, ring_group=None, agreement_group=ulysses_group,
                       causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                      return_lse=False, validate=validate, cu_seqlens=cu_seqlens)[0]
+                      return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sliding_window=sliding_window)[0]
 
 
 def hybrid_attention(
@@ -201,6 +216,7 @@ def hybrid_attention(
     backend: str = "auto",
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
 
@@ -209,8 +225,8 @@ def hybrid_attention(
     Ulysses all-to-all over U (heads must split: ``h % U == 0``), ring attention over R
     on ``h/U`` heads with un-replicated KV, then back. ``contiguous`` and ``zigzag`` work
     for every ``U x R``; ``striped`` when U == 1 or R == 1. Returns ``[b, n, h, d]``.
-    ``validate`` and ``cu_seqlens``: as in :func:`ring_attention` (``document_zigzag``
-    works for every ``U x R``).
+    ``validate``, ``cu_seqlens`` and ``sliding_window``: as in :func:`ring_attention`
+    (``document_zigzag`` works for every ``U x R``).
     """
     if not isinstance(topology, SequenceParallelTopology):
         raise TypeError(
@@ -219,4 +235,5 @@ def hybrid_attention(
         )
     return _attention(q, k, v, ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
                       agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                      backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens)[0]
+                      backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens,
+                      sliding_window=sliding_window)[0]

@@ -1,11 +1,18 @@
 """Ring attention: the one forward loop and the one backward loop (DESIGN.md section 4).
 
-Each ring rank keeps its queries; the packed ``[k; v]`` shard travels to the next rank
-every step while the current one is being used (double buffer, posted before compute).
-The layout only enters through :func:`ring_sp.schedule.ring_step_tasks`, which says what
-to compute at each step, so every layout shares these two loops. In the backward pass
-the fp32 ``[dk; dv]`` accumulator travels with its KV shard and arrives home after ``R``
-sends; ``dq`` stays local.
+Each ring rank keeps its queries. At step ``t`` rank ``r`` holds the packed ``[k; v]``
+shard of rank ``r - t``: every rank sends its OWN shard to ``r + t`` and receives from
+``r - t`` (the same bytes and calls per step as relaying neighbour to neighbour), posted
+before the previous step's compute into a double buffer. The layout (and mask) only enters
+through :func:`ring_sp.schedule.step_tasks`, which says what to compute at each step, so
+every layout shares these two loops; a pair of ranks with nothing to compute exchanges
+nothing, which with a sliding window leaves only the halo partners (one or two).
+
+Backward, ``dq`` stays local and the dK/dV partials take one of two routes, a pure choice
+per call (:attr:`RingSpec.relay_dkv`): the full ring relays an fp32 ``[dk; dv]``
+accumulator with its shard, home after ``R`` sends (last hop in the input dtype); a sliding
+window sends each fp32 partial straight home to ``r - t``, where the owner sums them and
+rounds once (it then talks to its halo partners only).
 """
 
 from __future__ import annotations
@@ -25,18 +32,28 @@ class RingSpec:
     documents), the kernel."""
 
     def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
-                 local_len: int, cu_seqlens: Boundaries | None = None) -> None:
+                 local_len: int, cu_seqlens: Boundaries | None = None, window: int | None = None) -> None:
         self.comm = comm
         self.kernel = kernel
         self.scale = scale
         self.world_size = comm.world_size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
+        native = bool(getattr(kernel, "supports_window", False))
+        r, size = self.rank, self.world_size
+
+        def tasks(rank: int, step: int) -> tuple[BlockTask, ...]:
+            return step_tasks(layout, causal, rank, (rank - step) % size, size, local_len, cu_seqlens, window, native)
+
         # The whole schedule, once per call (forward and backward share it): the KV at step
         # t comes from rank (rank - t) mod R. With documents this is the costly part.
-        self.schedule = tuple(
-            step_tasks(layout, causal, self.rank, (self.rank - step) % self.world_size, self.world_size, local_len, cu_seqlens)
-            for step in range(self.world_size)
-        )
+        self.schedule = tuple(tasks(r, step) for step in range(size))
+        # Who exchanges at step t: this rank receives from r - t iff it computes something,
+        # and sends to r + t iff that rank does. Without a window every step is kept (the
+        # full ring; its bytes are those of DESIGN section 5 and planner.layer_bytes).
+        full = window is None
+        self.receives = tuple(full or bool(self.schedule[t]) for t in range(size))
+        self.sends = tuple(full or bool(tasks((r + t) % size, t)) for t in range(size))
+        self.relay_dkv = full
         # One rank whose blocks never share a query row: nothing to merge, so no fp32
         # accumulators (the Ulysses-only case; documents give one block per document).
         self.local = self.world_size == 1 and _rows_disjoint(self.schedule[0])
@@ -45,7 +62,17 @@ class RingSpec:
         """(step, tasks) for every step of the ring."""
         return enumerate(self.schedule)
 
+    def fetch(self, step: int, own: torch.Tensor, recv: torch.Tensor, kind: str = "ring_kv") -> PendingExchange | None:
+        """Post step ``step``'s exchange: ``own`` -> rank + step, ``recv`` <- rank - step, each
+        only where that side computes something; None when this rank does neither."""
+        if step >= self.world_size or not (self.sends[step] or self.receives[step]):
+            return None
+        assert self.comm is not None  # world_size > 1 here
+        return self.comm.exchange(own if self.sends[step] else None, recv if self.receives[step] else None, kind,
+                                  offset=step)
+
     def rotate(self, send: torch.Tensor, recv: torch.Tensor, kind: str) -> PendingExchange:
+        """Neighbour exchange (the relayed dK/dV accumulator): send -> rank + 1, recv <- rank - 1."""
         assert self.comm is not None  # only called when world_size > 1
         return self.comm.exchange(send, recv, kind)
 
@@ -63,14 +90,15 @@ def _covers(task: BlockTask, q: torch.Tensor, k: torch.Tensor) -> bool:
 def _block_forward(spec: RingSpec, task: BlockTask, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on one block: ``task``'s query rows of ``q`` against its keys of ``k``/``v``."""
-    return spec.kernel.forward(q[:, task.q], k[:, task.kv], v[:, task.kv], causal=task.causal, scale=spec.scale)
+    return spec.kernel.forward(q[:, task.q], k[:, task.kv], v[:, task.kv], causal=task.causal, scale=spec.scale,
+                               window=task.window)
 
 
 def _block_backward(spec: RingSpec, task: BlockTask, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The kernel's gradients of one block, given the global ``out`` and ``lse`` rows."""
     return spec.kernel.backward(dout[:, task.q], q[:, task.q], k[:, task.kv], v[:, task.kv], out[:, task.q],
-                                lse[:, :, task.q], causal=task.causal, scale=spec.scale)
+                                lse[:, :, task.q], causal=task.causal, scale=spec.scale, window=task.window)
 
 
 def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -79,6 +107,15 @@ def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     packed[0].copy_(k)
     packed[1].copy_(v)
     return packed
+
+
+def _receive_buffers(spec: RingSpec, like: torch.Tensor, dtype: torch.dtype | None = None,
+                     needed: tuple[bool, ...] | None = None) -> list[torch.Tensor]:
+    """The double buffer that steps receive into (step t uses ``[t % 2]``): as many as there
+    are receiving steps, up to two, allocated once per call. ``[2, *like.shape]`` in ``dtype``."""
+    count = min(2, sum((needed or spec.receives)[1:]))
+    buffers = [torch.empty((2, *like.shape), dtype=dtype or like.dtype, device=like.device) for _ in range(count)]
+    return buffers * (2 // count) if count else [like, like]  # (never read when nothing arrives)
 
 
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,9 +127,10 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
     acc_dtype = softmax_stat_dtype(q.dtype)
     out = torch.zeros((b, n, h, d), dtype=acc_dtype, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc_dtype, device=q.device)
-    kv, kv_next = _pack_kv(k, v), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    own, inbox = _pack_kv(k, v), _receive_buffers(spec, k)
     for step, tasks in spec.steps():
-        pending = spec.rotate(kv, kv_next, "ring_kv") if step + 1 < spec.world_size else None
+        kv = own if step == 0 else inbox[step % 2]  # arrived: waited at the end of the previous step
+        pending = spec.fetch(step + 1, own, inbox[(step + 1) % 2])
         written: list[slice] = []  # rows filled at step 0: a first write is a copy, not a merge
         for task in tasks:
             out_b, lse_b = _block_forward(spec, task, q, kv[0], kv[1])
@@ -104,7 +142,6 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
                 merge_block_(out[:, task.q], lse[:, :, task.q], out_b, lse_b)
         if pending is not None:
             pending.wait()
-            kv, kv_next = kv_next, kv
     return out.to(q.dtype), lse
 
 
@@ -147,35 +184,91 @@ def ring_backward(
     acc_dtype = softmax_stat_dtype(q.dtype)
     # Accumulators are allocated explicitly: ``x.to(torch.float32)`` would alias an fp32 x.
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dkv = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device)
-    dkv_next = torch.empty_like(dkv)
-    kv, kv_next = _pack_kv(k, v), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+    own, inbox = _pack_kv(k, v), _receive_buffers(spec, k)
     dout = dout.contiguous()
-    kv_pending: PendingExchange | None = None
-    dkv_pending: PendingExchange | None = None
-    last = spec.world_size - 1
+    route = _RelayedGrads(spec, k, acc_dtype) if spec.relay_dkv else _DirectGrads(spec, k, acc_dtype)
     for step, tasks in spec.steps():
-        if step < last:
-            kv_pending = spec.rotate(kv, kv_next, "ring_kv")
+        kv = own if step == 0 else inbox[step % 2]
+        kv_pending = spec.fetch(step + 1, own, inbox[(step + 1) % 2])
         grads = [(task, _block_backward(spec, task, dout, q, kv[0], kv[1], out, lse)) for task in tasks]
-        if dkv_pending is not None:  # the accumulator of the KV we now hold arrives
-            dkv_pending.wait()
-            dkv, dkv_next = dkv_next, dkv
-        for task, (dq_b, dk_b, dv_b) in grads:
+        for task, (dq_b, _, _) in grads:
             dq[:, task.q] += dq_b
-            dkv[0][:, task.kv] += dk_b
-            dkv[1][:, task.kv] += dv_b
-        if step < last:  # pass the accumulator on with its KV
-            dkv_pending = spec.rotate(dkv, dkv_next, "ring_dkv")
+        route.add(step, grads)
         if kv_pending is not None:
             kv_pending.wait()
-            kv, kv_next = kv_next, kv
-            kv_pending = None
-    # After R - 1 hops every accumulator holds all its contributions; one more takes it home.
-    home = torch.empty(dkv.shape, dtype=deliver_dtype, device=dkv.device)
-    send = dkv if deliver_dtype == acc_dtype else dkv.to(deliver_dtype)
-    spec.rotate(send, home, "ring_dkv").wait()
-    return dq, home[0], home[1]
+    return (dq, *route.finish(deliver_dtype))
+
+
+class _RelayedGrads:
+    """The full ring's dK/dV route: an fp32 accumulator travels with its KV shard (relayed
+    neighbour to neighbour) and goes home after ``R`` sends, the last in ``deliver_dtype``."""
+
+    def __init__(self, spec: RingSpec, k: torch.Tensor, acc_dtype: torch.dtype) -> None:
+        self.spec, self.acc_dtype = spec, acc_dtype
+        self.dkv = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device)
+        self.dkv_next = torch.empty_like(self.dkv)
+        self.pending: PendingExchange | None = None
+
+    def add(self, step: int, grads: list) -> None:
+        if self.pending is not None:  # the accumulator of the KV we now hold arrives
+            self.pending.wait()
+            self.dkv, self.dkv_next = self.dkv_next, self.dkv
+        for task, (_, dk_b, dv_b) in grads:
+            self.dkv[0][:, task.kv] += dk_b
+            self.dkv[1][:, task.kv] += dv_b
+        if step < self.spec.world_size - 1:  # pass the accumulator on with its KV
+            self.pending = self.spec.rotate(self.dkv, self.dkv_next, "ring_dkv")
+
+    def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # After R - 1 hops every accumulator holds all its contributions; one more takes it home.
+        home = torch.empty(self.dkv.shape, dtype=deliver_dtype, device=self.dkv.device)
+        send = self.dkv if deliver_dtype == self.acc_dtype else self.dkv.to(deliver_dtype)
+        self.spec.rotate(send, home, "ring_dkv").wait()
+        return home[0], home[1]
+
+
+class _DirectGrads:
+    """The sliding window's dK/dV route: the fp32 partial for the KV of rank ``r - t`` goes
+    straight home at step ``t`` (one message per halo partner), and this rank adds the
+    partials for its own KV as they arrive from ``r + t``; rounded once, by the owner."""
+
+    def __init__(self, spec: RingSpec, k: torch.Tensor, acc_dtype: torch.dtype) -> None:
+        self.spec = spec
+        self.home = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device)
+        # partials leaving (step t fills [t % 2] once its send from step t - 2 is done) and arriving
+        self.outbox = _receive_buffers(spec, k, acc_dtype)
+        self.inbox = _receive_buffers(spec, k, acc_dtype, spec.sends)
+        self.pending: tuple[int, PendingExchange] | None = None
+
+    def _collect(self) -> None:
+        if self.pending is not None:
+            step, work = self.pending
+            work.wait()
+            if self.spec.sends[step]:  # rank + step computed with our KV: its partial arrived
+                self.home += self.inbox[step % 2]
+            self.pending = None
+
+    def add(self, step: int, grads: list) -> None:
+        target = self.home
+        if step:
+            self._collect()  # frees this step's buffers (their step - 2 exchange was waited on)
+            target = self.outbox[step % 2]
+            if grads:
+                target.zero_()
+        for task, (_, dk_b, dv_b) in grads:
+            target[0][:, task.kv] += dk_b
+            target[1][:, task.kv] += dv_b
+        if step and (self.spec.receives[step] or self.spec.sends[step]):
+            assert self.spec.comm is not None
+            work = self.spec.comm.exchange(target if self.spec.receives[step] else None,
+                                           self.inbox[step % 2] if self.spec.sends[step] else None,
+                                           "ring_dkv", offset=-step)
+            self.pending = (step, work)
+
+    def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        self._collect()
+        home = self.home if deliver_dtype == self.home.dtype else self.home.to(deliver_dtype)
+        return home[0], home[1]
 
 
 def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -47,11 +47,12 @@ class AttnCase:
     placement: str = "ulysses_inner"
     backend: str = "auto"
     packed: bool = False  # random documents (cu_seqlens) from the seed
+    window: int | None = None  # sliding_window (causal): query i sees keys i - window < j <= i
 
     def label(self) -> str:
         return (f"{self.mode} U{self.ulysses}xR{self.ring} {self.placement} {self.layout} causal={self.causal} "
                 f"b={self.b} n={self.n_local} h={self.h}/{self.h_kv} d={self.d} {self.dtype} seed={self.seed}"
-                f"{' packed' if self.packed else ''}")
+                f"{' packed' if self.packed else ''}{'' if self.window is None else f' window={self.window}'}")
 
 
 def random_documents(seq_len: int, seed: int, multiple: int = 1) -> tuple[int, ...]:
@@ -75,6 +76,20 @@ def document_mask(cu_seqlens: tuple[int, ...], causal: bool) -> torch.Tensor:
     return same & torch.ones(n, n, dtype=torch.bool).tril() if causal else same
 
 
+def window_mask(seq_len: int, window: int) -> torch.Tensor:
+    """[N, N] oracle mask of a causal sliding window: query i sees key j iff i - window < j <= i."""
+    i, j = torch.arange(seq_len).unsqueeze(1), torch.arange(seq_len).unsqueeze(0)
+    return (j <= i) & (j > i - window)
+
+
+def case_mask(case: AttnCase, seq_len: int, cu: tuple[int, ...] | None) -> torch.Tensor | None:
+    """The oracle's explicit mask (None: plain causal / full attention)."""
+    mask = None if cu is None else document_mask(cu, case.causal)
+    if case.window is not None:
+        mask = window_mask(seq_len, case.window) if mask is None else mask & window_mask(seq_len, case.window)
+    return mask
+
+
 def case_documents(case: AttnCase, sp_size: int) -> tuple[int, ...] | None:
     if not case.packed:
         return None
@@ -92,6 +107,8 @@ def _sp_coordinates(case: AttnCase) -> tuple[int, int, int]:
 
 def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None):
     common = dict(causal=case.causal, layout=case.layout, backend=case.backend, cu_seqlens=cu_seqlens)
+    if case.window is not None:
+        common["sliding_window"] = case.window
     if case.mode == "ring":
         return ring_sp.ring_attention(q, k, v, return_lse=True, **common)
     if case.mode == "ulysses":
@@ -105,6 +122,13 @@ def _single_device(inputs: dict[str, torch.Tensor], case: AttnCase, cu_seqlens: 
     q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
     kernel = get_kernel(case.backend, q.device, q.dtype, q.shape[3])
     scale = q.shape[3] ** -0.5
+    if case.window is not None:  # the windowed blocks of the same kernel on one device
+        from ring_sp.ring import RingSpec, ring_backward, ring_forward
+
+        spec = RingSpec(None, "contiguous", True, kernel, scale, q.shape[1], cu_seqlens, window=case.window)
+        out, lse = ring_forward(q, k, v, spec)
+        grads = ring_backward(dout, q, k, v, out, lse, spec, q.dtype)
+        return {name: t.to(q.dtype) for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads))}
     results: dict[str, list[torch.Tensor]] = {"out": [], "dq": [], "dk": [], "dv": []}
     for a, b in zip(cu_seqlens or (0, q.shape[1]), (cu_seqlens or (0, q.shape[1]))[1:]):
         doc = slice(a, b)
@@ -122,7 +146,7 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
     dtype = DTYPES[case.dtype]
     inputs = make_inputs(case.seed * 1000 + dp_rank, case.b, case.n_local * sp_size, case.h, case.h_kv, case.d, dtype)
     cu = case_documents(case, sp_size)
-    mask = None if cu is None else document_mask(cu, case.causal)
+    mask = case_mask(case, case.n_local * sp_size, cu)
     expected = oracle_results(inputs, causal=case.causal and mask is None, mask=mask)
 
     def shard(x: torch.Tensor, dim: int = 1) -> torch.Tensor:

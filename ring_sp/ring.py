@@ -24,7 +24,7 @@ from .comm import PendingExchange, RingComm
 from .kernels import AttentionKernel, softmax_stat_dtype
 from .merge import merge_block_
 from .layouts import Boundaries
-from .schedule import BlockTask, step_tasks
+from .schedule import BlockTask, exchange_plan
 
 
 class RingSpec:
@@ -38,22 +38,14 @@ class RingSpec:
         self.scale = scale
         self.world_size = comm.world_size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
-        native = bool(getattr(kernel, "supports_window", False))
-        r, size = self.rank, self.world_size
-
-        def tasks(rank: int, step: int) -> tuple[BlockTask, ...]:
-            return step_tasks(layout, causal, rank, (rank - step) % size, size, local_len, cu_seqlens, window, native)
-
         # The whole schedule, once per call (forward and backward share it): the KV at step
-        # t comes from rank (rank - t) mod R. With documents this is the costly part.
-        self.schedule = tuple(tasks(r, step) for step in range(size))
-        # Who exchanges at step t: this rank receives from r - t iff it computes something,
-        # and sends to r + t iff that rank does. Without a window every step is kept (the
-        # full ring; its bytes are those of DESIGN section 5 and planner.layer_bytes).
-        full = window is None
-        self.receives = tuple(full or bool(self.schedule[t]) for t in range(size))
-        self.sends = tuple(full or bool(tasks((r + t) % size, t)) for t in range(size))
-        self.relay_dkv = full
+        # t comes from rank (rank - t) mod R. With documents this is the costly part. Who
+        # exchanges at step t: this rank receives from r - t iff it computes something, and
+        # sends to r + t iff that rank does (with a window; without one, every step).
+        plan = exchange_plan(layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
+                             bool(getattr(kernel, "supports_window", False)))
+        self.schedule, self.receives, self.sends = plan.schedule, plan.receives, plan.sends
+        self.relay_dkv = window is None
         # One rank whose blocks never share a query row: nothing to merge, so no fp32
         # accumulators (the Ulysses-only case; documents give one block per document).
         self.local = self.world_size == 1 and _rows_disjoint(self.schedule[0])

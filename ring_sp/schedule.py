@@ -49,9 +49,11 @@ class BlockTask:
         """Number of (query, key) pairs this block computes: its share of the work."""
         nq = self.q.stop - self.q.start
         nk = self.kv.stop - self.kv.start
-        if self.window is not None:
-            return sum(min(a, nk - 1) - max(0, a - self.window + 1) + 1 if self.causal else nk - max(0, a - self.window + 1)
-                       for a in range(nq))
+        if self.window is not None:  # square, window >= 1
+            w, m = min(self.window, nq), max(nq - self.window, 0)
+            if self.causal:  # rows a < w see a + 1 keys, the rest w
+                return w * (w + 1) // 2 + m * w
+            return nq * w + m * (m + 1) // 2 + m * (w - 1)  # rows a >= w see n - a + w - 1 keys
         return nq * (nq + 1) // 2 if self.causal else nq * nk
 
 
@@ -274,3 +276,33 @@ def window_step_tasks(layout: str, rank: int, source: int, world_size: int, loca
             for t in band_blocks((qf, qf + qb - qa), (kf, kf + kb - ka), frame_window, native_window):
                 tasks.append(_shifted(t, qa - qf, ka - kf))
     return tuple(tasks)
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """One ring rank's whole pass: the blocks of each step ``t`` (against the KV of rank
+    ``rank - t``) and, per step, whether it receives that KV and whether it sends its own
+    to ``rank + t`` (that rank computes with it). Without a window every step exchanges
+    (the full ring of DESIGN section 5); with one, only the halo partners do."""
+
+    schedule: tuple[tuple[BlockTask, ...], ...]
+    receives: tuple[bool, ...]
+    sends: tuple[bool, ...]
+
+
+def exchange_plan(layout: str, causal: bool, rank: int, world_size: int, local_len: int,
+                  cu_seqlens: Boundaries | None = None, window: int | None = None,
+                  native_window: bool = False) -> ExchangePlan:
+    """The :class:`ExchangePlan` of ring rank ``rank`` (pure: every rank can compute any rank's)."""
+
+    def tasks(r: int, step: int) -> tuple[BlockTask, ...]:
+        return step_tasks(layout, causal, r, (r - step) % world_size, world_size, local_len, cu_seqlens, window,
+                          native_window)
+
+    schedule = tuple(tasks(rank, step) for step in range(world_size))
+    if window is None:
+        every = (True,) * world_size
+        return ExchangePlan(schedule, every, every)
+    receives = tuple(bool(t) for t in schedule)
+    sends = tuple(bool(tasks((rank + step) % world_size, step)) for step in range(world_size))
+    return ExchangePlan(schedule, receives, sends)

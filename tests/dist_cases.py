@@ -228,8 +228,10 @@ class _ShardSummingGrads(torch.autograd.Function):
         return full, None, None, None, None
 
 
-def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring: int = 1) -> bool:
-    """Slow-mode float64 gradcheck of the whole distributed function on every rank."""
+def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring: int = 1,
+                   window: int | None = None) -> bool:
+    """Slow-mode float64 gradcheck of the whole distributed function on every rank
+    (``window``: its ``sliding_window``)."""
     topo = topology(ulysses, ring) if mode == "hybrid" else None
     sp_rank, sp_size = (topo.sp_rank, topo.sp_size) if topo else (dist.get_rank(), dist.get_world_size())
     group = topo.sp_group if topo else None
@@ -238,15 +240,18 @@ def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring:
     heads, kv_heads = (2, 2) if u == 1 else (u, max(1, u // 2))  # Ulysses: the KV replication path
     inputs = make_inputs(7, 1, n, heads, kv_heads, 4, torch.float64)
 
+    options = dict(causal=causal, layout=layout) if window is None else dict(causal=causal, layout=layout,
+                                                                             sliding_window=window)
+
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         shard = lambda x: _ShardSummingGrads.apply(x, sp_rank, sp_size, layout, group)  # noqa: E731
         q, k, v = shard(q), shard(k), shard(v)
         if mode == "ring":
-            out = ring_sp.ring_attention(q, k, v, causal=causal, layout=layout)
+            out = ring_sp.ring_attention(q, k, v, **options)
         elif mode == "ulysses":
-            out = ring_sp.ulysses_attention(q, k, v, causal=causal, layout=layout)
+            out = ring_sp.ulysses_attention(q, k, v, **options)
         else:
-            out = ring_sp.hybrid_attention(q, k, v, topology=topo, causal=causal, layout=layout)
+            out = ring_sp.hybrid_attention(q, k, v, topology=topo, **options)
         return topo.gather_sequence(out, layout=layout) if topo else ring_sp.gather_sequence(out, layout=layout)
 
     leaves = tuple(inputs[name].clone().requires_grad_() for name in ("q", "k", "v"))

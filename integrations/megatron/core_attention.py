@@ -23,7 +23,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ring_sp import SequenceParallelTopology, hybrid_attention
 
-from .arguments import megatron_lm_args, ring_sp_config_from_args
+from megatron.core.transformer.utils import is_layer_window_attention
+
+from .arguments import megatron_lm_args, ring_sp_config_from_args, sliding_window_from_megatron
 from .config import RingSPConfig, unpacked_layout
 from .packed import packed_attention_args
 from .topology import topology_from_parallel_state
@@ -44,6 +46,11 @@ class RingSPCoreAttention(MegatronModule):
     ``pg_collection.cp``). Inputs must be sharded in ``ring_sp_config.layout`` by CP rank:
     zigzag is what ``get_batch_on_this_cp_rank`` produces, document_zigzag what
     ``get_thd_batch_on_this_cp_rank`` produces for packed sequences. No parameters.
+
+    Sliding windows: a layer that Megatron's ``window_size=(left, 0)`` and
+    ``window_attn_skip_freq`` make a window layer (``is_layer_window_attention``, as in
+    ``DotProductAttention``) attends over ``left + 1`` keys (``sliding_window``; None for
+    full layers), exchanging only the halo; other window shapes are refused.
     """
 
     def __init__(
@@ -60,7 +67,7 @@ class RingSPCoreAttention(MegatronModule):
         topology: Optional[SequenceParallelTopology] = None,
     ) -> None:
         super().__init__(config=config)
-        del layer_number, cp_comm_type  # no per-layer state; cp_comm_type picks TransformerEngine's CP algorithm
+        del cp_comm_type  # it picks TransformerEngine's CP algorithm
         ring_sp_config = ring_sp_config if ring_sp_config is not None else _default_config()
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
@@ -83,6 +90,9 @@ class RingSPCoreAttention(MegatronModule):
                 f"(size {cp_group.size()}, rank {cp_group.rank()}): its SP group must be the CP group"
             )
         self.attn_mask_type = attn_mask_type
+        # this layer's window (Gemma 3 / gpt-oss style configs alternate window and full layers)
+        self.sliding_window = (sliding_window_from_megatron(config.window_size) if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
         self.ring_sp_config = ring_sp_config
         self.topology = topology
         # None means 1/sqrt(head_dim), as in DotProductAttention. Its
@@ -102,8 +112,7 @@ class RingSPCoreAttention(MegatronModule):
             raise ValueError(f"attention_type={attention_type!r}: ring_sp supports self-attention only")
         if config.softmax_type != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by ring_sp attention; use 'vanilla'")
-        if config.window_size is not None:
-            raise ValueError(f"window_size={config.window_size} (sliding-window attention) is not supported by ring_sp")
+        sliding_window_from_megatron(config.window_size)  # refuses windows that look ahead
 
     def forward(
         self,
@@ -126,6 +135,11 @@ class RingSPCoreAttention(MegatronModule):
         """
         causal = self._causal(self.attn_mask_type if attn_mask_type is None else attn_mask_type, attention_mask,
                               packed=packed_seq_params is not None)
+        if self.sliding_window is not None and not causal:
+            raise ValueError(
+                f"window_size={self.config.window_size} (sliding window {self.sliding_window}) needs a causal "
+                f"attn_mask_type; got {(self.attn_mask_type if attn_mask_type is None else attn_mask_type).name}"
+            )
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by ring_sp attention")
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
@@ -146,7 +160,7 @@ class RingSPCoreAttention(MegatronModule):
             layout = unpacked_layout(layout)
         out = hybrid_attention(q, k, v, topology=self.topology, causal=causal, layout=layout,
                                softmax_scale=self.softmax_scale, backend=self.ring_sp_config.backend,
-                               cu_seqlens=cu_seqlens)
+                               cu_seqlens=cu_seqlens, sliding_window=self.sliding_window)
         return out.reshape(q.shape[1], -1) if thd else out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     @staticmethod
@@ -164,5 +178,6 @@ class RingSPCoreAttention(MegatronModule):
 
     def extra_repr(self) -> str:
         t = self.topology
+        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
         return (f"ulysses={t.ulysses_size}, ring={t.ring_size}, layout={self.ring_sp_config.layout!r}, "
-                f"backend={self.ring_sp_config.backend!r}")
+                f"backend={self.ring_sp_config.backend!r}{window}")

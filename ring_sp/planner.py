@@ -147,13 +147,14 @@ def dtype_bytes(dtype: str) -> tuple[int, int]:
     return torch_dtype.itemsize, softmax_stat_dtype(torch_dtype).itemsize
 
 
-def ring_halo_steps(layout: str, ring: int, chunk: int, window: int | None, ring_rank: int,
-                    causal: bool = True) -> tuple[int, int]:
-    """(KV shards ring rank ``ring_rank`` sends, dK/dV partials it sends home) in one layer
-    with a sliding ``window`` (``chunk`` = N / R tokens per ring rank): the steps whose
-    partner computes something (:func:`ring_sp.schedule.exchange_plan`)."""
+def ring_halo_rows(layout: str, ring: int, chunk: int, window: int | None, ring_rank: int,
+                   causal: bool = True) -> tuple[int, int]:
+    """(KV rows ring rank ``ring_rank`` sends, dK/dV partial rows it sends home) in one layer
+    with a sliding ``window`` (``chunk`` = N / R tokens per ring rank), summed over the steps:
+    the rows its partners read (:func:`ring_sp.schedule.exchange_plan`)."""
     plan_ = exchange_plan(layout, causal, ring_rank, ring, chunk, None, window)
-    return sum(plan_.sends[1:]), sum(plan_.receives[1:])
+    rows = lambda spans: sum(b - a for a, b in (r for r in spans[1:] if r is not None))  # noqa: E731
+    return rows(plan_.send_rows), rows(plan_.recv_rows)
 
 
 def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
@@ -169,8 +170,8 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
     while it collects, the input dtype on the last hop home (fp32 again when replicated).
 
     With a ``sliding_window`` shorter than N (``layout`` and ``causal`` then matter) the ring
-    part is the halo: the packed shard goes only to the ranks that compute with it, and each
-    fp32 dK/dV partial straight home (:func:`ring_halo_steps`), for ring rank ``ring_rank``
+    part is the halo: the packed rows a rank's partners read go only to them, and each fp32
+    dK/dV partial of those rows straight home (:func:`ring_halo_rows`), for ring rank ``ring_rank``
     or, when None, each kind's maximum over the ring ranks (a bound for every rank; with
     contiguous, rank 0 sends the only KV shard and rank 1 the only partial). Kinds with
     nothing sent are left out.
@@ -193,15 +194,14 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
         bwd["ulysses_a2a_dkv"] = a2a(kv_elems, acc if replicated else elem)
     windowed = sliding_window is not None and sliding_window < local_len * ulysses * ring
     if ring > 1 and windowed:
-        kv_shard = 2 * batch * local_len * ulysses * m * head_dim
-        chunk = local_len * ulysses
-        counts = {r: ring_halo_steps(layout, ring, chunk, sliding_window, r, causal) for r in range(ring)}
-        kv_sends, dkv_sends = counts[ring_rank] if ring_rank is not None else (
+        kv_row = 2 * batch * m * head_dim  # elements of one packed [k; v] token
+        counts = {r: ring_halo_rows(layout, ring, local_len * ulysses, sliding_window, r, causal) for r in range(ring)}
+        kv_rows, dkv_rows = counts[ring_rank] if ring_rank is not None else (
             max(c[0] for c in counts.values()), max(c[1] for c in counts.values()))
-        if kv_sends:
-            fwd["ring_kv"] = bwd["ring_kv"] = kv_sends * kv_shard * elem
-        if dkv_sends:
-            bwd["ring_dkv"] = dkv_sends * kv_shard * acc
+        if kv_rows:
+            fwd["ring_kv"] = bwd["ring_kv"] = kv_rows * kv_row * elem
+        if dkv_rows:
+            bwd["ring_dkv"] = dkv_rows * kv_row * acc
     elif ring > 1:
         kv_shard = 2 * batch * local_len * ulysses * m * head_dim
         fwd["ring_kv"] = bwd["ring_kv"] = (ring - 1) * kv_shard * elem
@@ -263,13 +263,17 @@ def _window_ring_seconds(layout: str, ring: int, chunk: int, window: int, flops_
     plans = [exchange_plan(layout, True, r, ring, chunk, None, window) for r in range(ring)]
     compute = [max(sum(t.visible_pairs() for t in p.schedule[step]) for p in plans) * flops_per_pair / flops
                for step in range(ring)]
-    moves = [step > 0 and any(p.receives[step] for p in plans) for step in range(ring)] + [False]
+    # the fraction of a shard the largest message of each step carries (0: no message)
+    moves = [0.0] + [max((b - a) / chunk for p in plans if p.recv_rows[step] is not None
+                         for a, b in [p.recv_rows[step]]) if any(p.receives[step] for p in plans) else 0.0
+                     for step in range(1, ring)] + [0.0]
     fwd = sum(max(compute[t], kv_s * moves[t + 1]) for t in range(ring))
     bwd_transfer = [kv_s * moves[t + 1] + dkv_s * moves[t] for t in range(ring)]
     bwd = sum(max(BACKWARD_FLOP_RATIO * compute[t], bwd_transfer[t]) for t in range(ring))
-    hides_fwd = all(compute[t] >= kv_s for t in range(ring) if moves[t + 1])
+    hides_fwd = all(compute[t] >= kv_s * moves[t + 1] for t in range(ring))
     hides_bwd = all(BACKWARD_FLOP_RATIO * compute[t] >= bwd_transfer[t] for t in range(ring))
-    return fwd, bwd + (dkv_s if any(moves) else 0.0), hides_fwd, hides_bwd
+    last = max((t for t in range(ring) if moves[t]), default=None)
+    return fwd, bwd + (dkv_s * moves[last] if last is not None else 0.0), hides_fwd, hides_bwd
 
 
 def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cluster, model: ModelShape,
@@ -323,8 +327,8 @@ def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cl
     if layout == "contiguous" and work.causal and ring > 1 and window is None:
         notes.append("causal work unbalanced (~2x)")
     if window is not None and ring > 1:
-        notes.append(f"sliding window {window}: KV to {fwd_bytes.get('ring_kv', 0) // (kv_shard * elem)} ring "
-                     f"partner(s) instead of {ring - 1}")
+        notes.append(f"sliding window {window}: {fwd_bytes.get('ring_kv', 0) / (kv_shard * elem):.2f} KV shards "
+                     f"sent instead of {ring - 1}")
     return Candidate(
         ulysses, ring, placement, layout, fwd_bytes, bwd_bytes, where.ulysses_link, where.ring_link, chunk, min_fwd,
         min_bwd,

@@ -44,7 +44,13 @@ class RingSpec:
         # sends to r + t iff that rank does (with a window; without one, every step).
         plan = exchange_plan(layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
                              bool(getattr(kernel, "supports_window", False)))
-        self.schedule, self.receives, self.sends = plan.schedule, plan.receives, plan.sends
+        self.recv_rows, self.send_rows = plan.recv_rows, plan.send_rows
+        self.receives, self.sends = plan.receives, plan.sends
+        # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
+        self.schedule = tuple(
+            tasks if step == 0 or not tasks else tuple(_kv_shifted(t, -plan.recv_rows[step][0]) for t in tasks)
+            for step, tasks in enumerate(plan.schedule)
+        )
         self.relay_dkv = window is None
         # One rank whose blocks never share a query row: nothing to merge, so no fp32
         # accumulators (the Ulysses-only case; documents give one block per document).
@@ -54,19 +60,74 @@ class RingSpec:
         """(step, tasks) for every step of the ring."""
         return enumerate(self.schedule)
 
-    def fetch(self, step: int, own: torch.Tensor, recv: torch.Tensor, kind: str = "ring_kv") -> PendingExchange | None:
-        """Post step ``step``'s exchange: ``own`` -> rank + step, ``recv`` <- rank - step, each
-        only where that side computes something; None when this rank does neither."""
-        if step >= self.world_size or not (self.sends[step] or self.receives[step]):
-            return None
-        assert self.comm is not None  # world_size > 1 here
-        return self.comm.exchange(own if self.sends[step] else None, recv if self.receives[step] else None, kind,
-                                  offset=step)
-
     def rotate(self, send: torch.Tensor, recv: torch.Tensor, kind: str) -> PendingExchange:
         """Neighbour exchange (the relayed dK/dV accumulator): send -> rank + 1, recv <- rank - 1."""
         assert self.comm is not None  # only called when world_size > 1
         return self.comm.exchange(send, recv, kind)
+
+
+def _kv_shifted(task: BlockTask, offset: int) -> BlockTask:
+    return BlockTask(task.q, slice(task.kv.start + offset, task.kv.stop + offset), task.causal, task.window)
+
+
+def _span(rows: tuple[int, int] | None) -> int:
+    return 0 if rows is None else rows[1] - rows[0]
+
+
+class _Slots:
+    """``count`` buffers allocated once per call, each viewed per step as a contiguous
+    ``[2, b, rows, h_kv, d]`` message for any ``rows`` up to the largest of ``rows_per_step``."""
+
+    def __init__(self, count: int, like: torch.Tensor, rows_per_step: list[int], dtype: torch.dtype) -> None:
+        self.shape = (2, like.shape[0], like.shape[2], like.shape[3])
+        per_row = 2 * like.shape[0] * like.shape[2] * like.shape[3]
+        size = per_row * max(rows_per_step, default=0)
+        self.flat = [torch.empty(size, dtype=dtype, device=like.device) for _ in range(count if size else 0)]
+
+    def view(self, step: int, rows: int) -> torch.Tensor:
+        two, b, h, d = self.shape
+        return self.flat[step % len(self.flat)][: two * b * rows * h * d].view(two, b, rows, h, d)
+
+
+class _Mail:
+    """The messages of one pass in one direction. Step ``t`` receives rows ``recv_rows[t]``
+    of rank ``r - t``'s shard into one of two inbox slots (``t % 2``; the other one may still
+    be computed with) and sends rows ``send_rows[t]`` of ``own`` to ``r + t``: ``own`` itself
+    when whole (the full ring), else a staged copy. ``reverse`` swaps the two directions
+    (partials go home to ``r - t``)."""
+
+    def __init__(self, spec: RingSpec, own: torch.Tensor, kind: str, reverse: bool = False,
+                 dtype: torch.dtype | None = None, like: torch.Tensor | None = None) -> None:
+        self.spec, self.own, self.kind, self.reverse = spec, own, kind, reverse
+        self.inbound, self.outbound = (spec.send_rows, spec.recv_rows) if reverse else (spec.recv_rows, spec.send_rows)
+        like = like if like is not None else own[0]
+        dtype = dtype or own.dtype
+        arriving = [_span(r) for r in self.inbound[1:]]
+        self.inbox = _Slots(min(2, sum(map(bool, arriving))), like, arriving, dtype)
+        staged = [_span(r) for r in self.outbound[1:] if r is not None and (own is None or _span(r) != own.shape[2])]
+        self.stage = _Slots(2 if reverse else 1, like, staged, dtype)
+
+    def received(self, step: int) -> torch.Tensor | None:
+        """Step ``step``'s message (after its exchange was waited on); None if none arrives."""
+        return None if self.inbound[step] is None else self.inbox.view(step, _span(self.inbound[step]))
+
+    def outgoing(self, step: int) -> torch.Tensor:
+        """A buffer for step ``step``'s message that the caller fills (the ``reverse`` direction)."""
+        return self.stage.view(step, _span(self.outbound[step]))
+
+    def post(self, step: int, message: torch.Tensor | None = None) -> PendingExchange | None:
+        """Post step ``step``'s exchange (None when this rank neither sends nor receives)."""
+        if step >= self.spec.world_size or (self.inbound[step] is None and self.outbound[step] is None):
+            return None
+        send = None
+        if self.outbound[step] is not None:
+            send = message
+            if send is None:  # own rows, staged unless whole; the stage's last send was waited on
+                a, b = self.outbound[step]
+                send = self.own if b - a == self.own.shape[2] else self.stage.view(step, b - a).copy_(self.own[:, :, a:b])
+        recv = self.received(step) if self.inbound[step] is not None else None
+        assert self.spec.comm is not None  # world_size > 1 here
+        return self.spec.comm.exchange(send, recv, self.kind, offset=-step if self.reverse else step)
 
 
 def _rows_disjoint(tasks: tuple[BlockTask, ...]) -> bool:
@@ -101,15 +162,6 @@ def _pack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def _receive_buffers(spec: RingSpec, like: torch.Tensor, dtype: torch.dtype | None = None,
-                     needed: tuple[bool, ...] | None = None) -> list[torch.Tensor]:
-    """The double buffer that steps receive into (step t uses ``[t % 2]``): as many as there
-    are receiving steps, up to two, allocated once per call. ``[2, *like.shape]`` in ``dtype``."""
-    count = min(2, sum((needed or spec.receives)[1:]))
-    buffers = [torch.empty((2, *like.shape), dtype=dtype or like.dtype, device=like.device) for _ in range(count)]
-    return buffers * (2 // count) if count else [like, like]  # (never read when nothing arrives)
-
-
 def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]`` (this rank's shards) -> out ``[b, n, h, d]``
     in q's dtype and lse ``[b, h, n]`` (float32; float64 for float64 inputs)."""
@@ -119,10 +171,11 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
     acc_dtype = softmax_stat_dtype(q.dtype)
     out = torch.zeros((b, n, h, d), dtype=acc_dtype, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc_dtype, device=q.device)
-    own, inbox = _pack_kv(k, v), _receive_buffers(spec, k)
+    own = _pack_kv(k, v)
+    mail = _Mail(spec, own, "ring_kv")
     for step, tasks in spec.steps():
-        kv = own if step == 0 else inbox[step % 2]  # arrived: waited at the end of the previous step
-        pending = spec.fetch(step + 1, own, inbox[(step + 1) % 2])
+        kv = own if step == 0 else mail.received(step)  # arrived: waited at the end of the previous step
+        pending = mail.post(step + 1)
         written: list[slice] = []  # rows filled at step 0: a first write is a copy, not a merge
         for task in tasks:
             out_b, lse_b = _block_forward(spec, task, q, kv[0], kv[1])
@@ -176,12 +229,13 @@ def ring_backward(
     acc_dtype = softmax_stat_dtype(q.dtype)
     # Accumulators are allocated explicitly: ``x.to(torch.float32)`` would alias an fp32 x.
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    own, inbox = _pack_kv(k, v), _receive_buffers(spec, k)
+    own = _pack_kv(k, v)
+    mail = _Mail(spec, own, "ring_kv")
     dout = dout.contiguous()
     route = _RelayedGrads(spec, k, acc_dtype) if spec.relay_dkv else _DirectGrads(spec, k, acc_dtype)
     for step, tasks in spec.steps():
-        kv = own if step == 0 else inbox[step % 2]
-        kv_pending = spec.fetch(step + 1, own, inbox[(step + 1) % 2])
+        kv = own if step == 0 else mail.received(step)
+        kv_pending = mail.post(step + 1)
         grads = [(task, _block_backward(spec, task, dout, q, kv[0], kv[1], out, lse)) for task in tasks]
         for task, (dq_b, _, _) in grads:
             dq[:, task.q] += dq_b
@@ -220,42 +274,38 @@ class _RelayedGrads:
 
 
 class _DirectGrads:
-    """The sliding window's dK/dV route: the fp32 partial for the KV of rank ``r - t`` goes
-    straight home at step ``t`` (one message per halo partner), and this rank adds the
-    partials for its own KV as they arrive from ``r + t``; rounded once, by the owner."""
+    """The sliding window's dK/dV route: the fp32 partial for the rows of rank ``r - t``'s
+    KV used at step ``t`` goes straight home (one message per halo partner), and this rank
+    adds the partials for its own rows as they arrive from ``r + t``; rounded once, by the owner."""
 
     def __init__(self, spec: RingSpec, k: torch.Tensor, acc_dtype: torch.dtype) -> None:
         self.spec = spec
         self.home = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device)
-        # partials leaving (step t fills [t % 2] once its send from step t - 2 is done) and arriving
-        self.outbox = _receive_buffers(spec, k, acc_dtype)
-        self.inbox = _receive_buffers(spec, k, acc_dtype, spec.sends)
+        self.mail = _Mail(spec, None, "ring_dkv", reverse=True, dtype=acc_dtype, like=k)  # type: ignore[arg-type]
         self.pending: tuple[int, PendingExchange] | None = None
 
     def _collect(self) -> None:
         if self.pending is not None:
             step, work = self.pending
             work.wait()
-            if self.spec.sends[step]:  # rank + step computed with our KV: its partial arrived
-                self.home += self.inbox[step % 2]
+            rows = self.spec.send_rows[step]
+            if rows is not None:  # rank + step computed with these rows of our KV: their partial arrived
+                self.home[:, :, rows[0]:rows[1]] += self.mail.received(step)
             self.pending = None
 
     def add(self, step: int, grads: list) -> None:
         target = self.home
         if step:
             self._collect()  # frees this step's buffers (their step - 2 exchange was waited on)
-            target = self.outbox[step % 2]
             if grads:
+                target = self.mail.outgoing(step)
                 target.zero_()
         for task, (_, dk_b, dv_b) in grads:
             target[0][:, task.kv] += dk_b
             target[1][:, task.kv] += dv_b
-        if step and (self.spec.receives[step] or self.spec.sends[step]):
-            assert self.spec.comm is not None
-            work = self.spec.comm.exchange(target if self.spec.receives[step] else None,
-                                           self.inbox[step % 2] if self.spec.sends[step] else None,
-                                           "ring_dkv", offset=-step)
-            self.pending = (step, work)
+        if step:
+            work = self.mail.post(step, target if grads else None)
+            self.pending = None if work is None else (step, work)
 
     def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         self._collect()

@@ -278,16 +278,34 @@ def window_step_tasks(layout: str, rank: int, source: int, world_size: int, loca
     return tuple(tasks)
 
 
+Rows = tuple[int, int]  # a [start, stop) range of a shard's local tokens
+
+
 @dataclass(frozen=True)
 class ExchangePlan:
     """One ring rank's whole pass: the blocks of each step ``t`` (against the KV of rank
-    ``rank - t``) and, per step, whether it receives that KV and whether it sends its own
-    to ``rank + t`` (that rank computes with it). Without a window every step exchanges
-    (the full ring of DESIGN section 5); with one, only the halo partners do."""
+    ``rank - t``, slices in that shard's local order) and, per step, the rows of that KV
+    shard it receives (``recv_rows``) and the rows of its own shard it sends to ``rank + t``
+    (``send_rows``; None: no message). Without a window every step moves the whole shard
+    (the full ring of DESIGN section 5); with one, only the halo partners exchange, and only
+    the rows some block of the partner reads (their hull)."""
 
     schedule: tuple[tuple[BlockTask, ...], ...]
-    receives: tuple[bool, ...]
-    sends: tuple[bool, ...]
+    recv_rows: tuple[Rows | None, ...]
+    send_rows: tuple[Rows | None, ...]
+
+    @property
+    def receives(self) -> tuple[bool, ...]:
+        return tuple(rows is not None for rows in self.recv_rows)
+
+    @property
+    def sends(self) -> tuple[bool, ...]:
+        return tuple(rows is not None for rows in self.send_rows)
+
+
+def _kv_hull(tasks: tuple[BlockTask, ...]) -> Rows | None:
+    """The smallest row range of the KV shard holding every block's keys (None: no block)."""
+    return (min(t.kv.start for t in tasks), max(t.kv.stop for t in tasks)) if tasks else None
 
 
 def exchange_plan(layout: str, causal: bool, rank: int, world_size: int, local_len: int,
@@ -301,8 +319,8 @@ def exchange_plan(layout: str, causal: bool, rank: int, world_size: int, local_l
 
     schedule = tuple(tasks(rank, step) for step in range(world_size))
     if window is None:
-        every = (True,) * world_size
+        every = ((0, local_len),) * world_size
         return ExchangePlan(schedule, every, every)
-    receives = tuple(bool(t) for t in schedule)
-    sends = tuple(bool(tasks((rank + step) % world_size, step)) for step in range(world_size))
+    receives = tuple(_kv_hull(t) for t in schedule)
+    sends = tuple(_kv_hull(tasks((rank + step) % world_size, step)) for step in range(world_size))
     return ExchangePlan(schedule, receives, sends)

@@ -104,10 +104,11 @@ def test_window_keeps_contiguous_balanced_and_the_planner_prefers_it() -> None:
     result = plan(cluster, model, Workload(seq_len=131072, sliding_window=4096), ulysses=1)
     assert result.recommended.layout == "contiguous"
     zigzag = next(c for c in result.candidates if c.layout == "zigzag")
-    # per rank per layer: one packed bf16 KV shard of 16384 tokens x 8 heads x 128 (32 MiB x 2) vs two for zigzag
-    assert result.recommended.bytes_fwd == {"ring_kv": 2 * 16384 * 8 * 128 * 2}
-    assert zigzag.bytes_fwd == {"ring_kv": 2 * 2 * 16384 * 8 * 128 * 2}
-    assert result.recommended.bytes_bwd["ring_dkv"] == 2 * 16384 * 8 * 128 * 4  # one fp32 partial home
+    # per rank per layer: the last W - 1 = 4095 packed bf16 [k; v] tokens of 8 heads x 128 to one partner,
+    # (the full ring: 7 shards of 16384), two such halos for zigzag, and their fp32 partials home
+    assert result.recommended.bytes_fwd == {"ring_kv": 4095 * 2 * 8 * 128 * 2}
+    assert zigzag.bytes_fwd == {"ring_kv": 2 * 4095 * 2 * 8 * 128 * 2}
+    assert result.recommended.bytes_bwd["ring_dkv"] == 4095 * 2 * 8 * 128 * 4
 
 
 # ---- kernels -------------------------------------------------------------------------------
@@ -223,9 +224,9 @@ def count_window_traffic(layout: str, window: int, n: int, dtype: str) -> dict:
 @pytest.mark.parametrize("layout,window,limit", [("contiguous", 16, 1), ("contiguous", 5, 1), ("zigzag", 8, 2),
                                                  ("zigzag", 3, 2), ("contiguous", 1, 0), ("striped", 16, 3)])
 def test_halo_bytes_per_rank(pools, layout: str, window: int, limit: int) -> None:
-    """C21: forward KV bytes per rank <= ``limit`` packed shards (the full ring sends 3), the
-    planner's per-rank model equals the count, and steps with nothing to compute on either
-    side post no exchange at all."""
+    """C21: forward KV bytes per rank <= ``limit`` packed shards (the full ring sends 3; the
+    halo is the W - 1 rows a partner reads), the planner's per-rank model equals the count,
+    and steps with nothing to compute on either side post no exchange at all."""
     n, world_size, dtype = 16, 4, "bfloat16"
     shard = 2 * 2 * n * 2 * 16 * 2  # packed [k; v]: 2 x batch 2 x n x 2 KV heads x 16 x bf16
     for res in pools.get(world_size).run(count_window_traffic, layout, window, n, dtype):
@@ -233,7 +234,8 @@ def test_halo_bytes_per_rank(pools, layout: str, window: int, limit: int) -> Non
         fwd, bwd = layer_bytes(ulysses=1, ring=world_size, batch=2, local_len=n, heads=8, kv_heads=2, head_dim=16,
                                dtype="bf16", layout=layout, sliding_window=window, ring_rank=rank)
         assert res["fwd"] == fwd and res["bwd"] == bwd, (rank, res, fwd, bwd)
-        assert res["fwd"].get("ring_kv", 0) <= limit * shard
+        halo = shard if layout == "striped" else shard // n * min(n, window - 1)  # striped: every rank holds some
+        assert res["fwd"].get("ring_kv", 0) <= limit * halo
         plan_ = exchange_plan(layout, True, rank, world_size, n, window=window)
         exchanging = sum(plan_.sends[t] or plan_.receives[t] for t in range(1, world_size))
         assert res["fwd_calls"] == exchanging

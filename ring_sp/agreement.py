@@ -51,7 +51,7 @@ class CallSignature:
     @staticmethod
     def of(q: object, k: object, v: object, *, causal: object, layout: object, softmax_scale: object,
            backend: object, ulysses_size: int, ring_size: int, cu_seqlens: tuple[int, ...] | None = None,
-           sinks: object = None) -> CallSignature:
+           sinks: object = None, sliding_window: object = None) -> CallSignature:
         def shape(t: object) -> tuple[int, int, int, int]:
             dims = tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else (-1, -1, -1, -1)
             return dims  # type: ignore[return-value]
@@ -63,11 +63,12 @@ class CallSignature:
         device = q.device.type if isinstance(q, torch.Tensor) else "?"
         values = (*shape(q), *shape(k), *shape(v), code(dtype, _DTYPES), code(device, ("cpu", "cuda")),
                   int(causal is True), code(layout, LAYOUTS), code(backend, BACKENDS), _scale_bits(softmax_scale), ulysses_size, ring_size,
-                  -1 if cu_seqlens is None else len(cu_seqlens), _checksum(cu_seqlens), *_sinks_code(sinks))
+                  -1 if cu_seqlens is None else len(cu_seqlens), _checksum(cu_seqlens), *_sinks_code(sinks),
+                  _window_code(sliding_window))
         text = (f"q {shape(q)}, k {shape(k)}, v {shape(v)}, dtype {dtype}, device {device}, causal={causal!r}, "
                 f"layout={layout!r}, softmax_scale={softmax_scale!r}, backend={backend!r}, ulysses x ring = {ulysses_size} x {ring_size}, "
                 f"cu_seqlens={'None' if cu_seqlens is None else f'{len(cu_seqlens) - 1} documents (checksum {_checksum(cu_seqlens)})'}, "
-                f"sinks={_describe_sinks(sinks)}")
+                f"sinks={_describe_sinks(sinks)}, sliding_window={sliding_window!r}")
         return CallSignature(values, text)
 
 
@@ -84,6 +85,13 @@ def _describe_sinks(sinks: object) -> str:
     if isinstance(sinks, torch.Tensor):
         return f"Tensor(shape={tuple(sinks.shape)}, dtype={sinks.dtype})"
     return repr(sinks)
+
+
+def _window_code(sliding_window: object) -> int:
+    """The window itself, -1 for None, -2 for anything that is not an int (the local check names it)."""
+    if sliding_window is None:
+        return -1
+    return min(sliding_window, 2**62) if isinstance(sliding_window, int) and not isinstance(sliding_window, bool) else -2
 
 
 def _checksum(values: tuple[int, ...] | None) -> int:

@@ -29,7 +29,7 @@ from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_re
 from .ring import RingSpec, ring_comm_for
 from .topology import SequenceParallelTopology
 from .validation import (check_cu_seqlens, check_group, check_local_length, check_options, check_qkv, check_sinks,
-                         resolve_scale)
+                         check_sliding_window, resolve_scale)
 
 
 def check_ulysses_heads(heads: int, kv_heads: int, ulysses_size: int) -> None:
@@ -65,11 +65,13 @@ def _prepare(
     return_lse: bool,
     cu_seqlens: Boundaries | None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> tuple[RingSpec, UlyssesSpec | None]:
     """Every local check, then the plan of the call. Raises before any collective."""
     check_qkv(q, k, v)
     check_sinks(sinks, q)
     check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
+    check_sliding_window(sliding_window, causal)
     u, r = _size(ulysses_group), _size(ring_group)
     check_local_length(layout, q.shape[1], u * r)
     global_len = q.shape[1] * u * r
@@ -82,8 +84,11 @@ def _prepare(
     ring_rank = dist.get_rank(ring_group) if ring_group is not None else 0
     reorder = ulysses_to_ring_reorder(layout, u, r, global_len, ring_rank, q.device, cu_seqlens) if u > 1 else None
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3], v.shape[3])
+    # A window covering the whole sequence is plain causal attention: the same schedule, bit for bit.
+    window = sliding_window if sliding_window is not None and sliding_window < global_len else None
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
-                    resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens, ulysses_size=u)
+                    resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens, window=window,
+                    ulysses_size=u)
     return ring, (UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None)
 
 
@@ -103,9 +108,11 @@ def _attention(
     validate: bool | None,
     cu_seqlens: torch.Tensor | list[int] | None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
-    options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
+    options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
+                   sliding_window=sliding_window)
     always = validation_requested(validate)
     boundaries = None
     try:
@@ -147,6 +154,7 @@ def ring_attention(
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ring attention over ``group`` (None = the default group).
 
@@ -164,11 +172,17 @@ def ring_attention(
     ``sinks``: attention sinks, a float tensor ``[h]`` with one learned logit per query head
     (gpt-oss): every row's softmax denominator gets ``exp(sinks[head])`` added, with no
     value. Its gradient is this rank's share; the sum over the SP ranks is the whole one.
+    ``sliding_window``: causal sliding-window attention, query at global position ``i``
+    sees key ``j`` iff ``i - sliding_window < j <= i`` (transformers' meaning: that many
+    keys, itself included; with ``cu_seqlens`` also the same document). Ranks then exchange
+    KV and dK/dV only with the ranks holding keys inside some query's window (a halo);
+    pairs with nothing to compute neither compute nor communicate. Needs ``causal=True``.
     """
     ring_group = _group_or_world(group)
     out, lse = _attention(q, k, v, ulysses_group=None, ring_group=ring_group, agreement_group=ring_group,
                           causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                          return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks)
+                          return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
+                          sliding_window=sliding_window)
     return (out, lse) if return_lse else out
 
 
@@ -185,6 +199,7 @@ def ulysses_attention(
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention over ``group`` (None = the default group).
 
@@ -192,13 +207,15 @@ def ulysses_attention(
     (every layout works: the all-to-all output is put back in natural order). Needs
     ``h % U == 0`` and ``h_kv % U == 0`` or ``U % h_kv == 0`` (KV heads are then
     replicated only to the ranks that need them). Returns ``[b, n, h, d_v]``.
-    ``validate``, ``cu_seqlens`` and ``sinks`` (all ``h`` heads on every rank; each rank's
-    ``sinks.grad`` holds its ``h/U`` heads' share, zeros elsewhere): as in :func:`ring_attention`.
+    ``validate``, ``cu_seqlens``, ``sliding_window`` and ``sinks`` (all ``h`` heads on every
+    rank; each rank's ``sinks.grad`` holds its ``h/U`` heads' share, zeros elsewhere): as in
+    :func:`ring_attention`.
     """
     ulysses_group = _group_or_world(group)
     return _attention(q, k, v, ulysses_group=ulysses_group, ring_group=None, agreement_group=ulysses_group,
                       causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                      return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks)[0]
+                      return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
+                      sliding_window=sliding_window)[0]
 
 
 def hybrid_attention(
@@ -214,6 +231,7 @@ def hybrid_attention(
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     sinks: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
 
@@ -222,8 +240,9 @@ def hybrid_attention(
     Ulysses all-to-all over U (heads must split: ``h % U == 0``), ring attention over R
     on ``h/U`` heads with un-replicated KV, then back. ``contiguous`` and ``zigzag`` work
     for every ``U x R``; ``striped`` when U == 1 or R == 1. Returns ``[b, n, h, d_v]``.
-    ``validate``, ``cu_seqlens`` and ``sinks``: as in :func:`ring_attention` and
-    :func:`ulysses_attention` (``document_zigzag`` works for every ``U x R``).
+    ``validate``, ``cu_seqlens``, ``sliding_window`` and ``sinks``: as in
+    :func:`ring_attention` and :func:`ulysses_attention` (``document_zigzag`` works for
+    every ``U x R``).
     """
     if not isinstance(topology, SequenceParallelTopology):
         raise TypeError(
@@ -232,4 +251,5 @@ def hybrid_attention(
         )
     return _attention(q, k, v, ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
                       agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                      backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks)[0]
+                      backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
+                      sliding_window=sliding_window)[0]

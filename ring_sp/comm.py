@@ -76,7 +76,8 @@ class PendingExchange:
 
 
 class RingComm:
-    """Neighbour exchange on a ring: send to rank+1, receive from rank-1 (group ranks)."""
+    """Exchange on a ring: send to rank + offset, receive from rank - offset (group ranks;
+    offset 1 is the neighbour exchange)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -84,16 +85,18 @@ class RingComm:
         self.rank = dist.get_rank(group)
         # P2POp wants global ranks (torch >= 2.4 compatible; group_peer is newer).
         whole = group if group is not None else dist.group.WORLD
-        self._next = dist.get_global_rank(whole, (self.rank + 1) % self.world_size)
-        self._prev = dist.get_global_rank(whole, (self.rank - 1) % self.world_size)
+        self._global = [dist.get_global_rank(whole, i) for i in range(self.world_size)]
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, kind: str = "ring_p2p") -> PendingExchange:
-        """Post ``send`` -> next rank and ``recv`` <- previous rank; returns at once."""
-        _record(kind, _nbytes(send))
-        ops = [
-            dist.P2POp(dist.isend, send, self._next, self.group),
-            dist.P2POp(dist.irecv, recv, self._prev, self.group),
-        ]
+    def exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None, kind: str = "ring_p2p",
+                 offset: int = 1) -> PendingExchange:
+        """Post ``send`` -> rank + ``offset`` and ``recv`` <- rank - ``offset``; returns at once.
+        Either may be None (a one-sided step of a sliding-window halo), not both."""
+        ops = []
+        if send is not None:
+            _record(kind, _nbytes(send))
+            ops.append(dist.P2POp(dist.isend, send, self._global[(self.rank + offset) % self.world_size], self.group))
+        if recv is not None:
+            ops.append(dist.P2POp(dist.irecv, recv, self._global[(self.rank - offset) % self.world_size], self.group))
         return PendingExchange(dist.batch_isend_irecv(ops))
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from .attention import hybrid_attention
 from .topology import SequenceParallelTopology
-from .validation import check_options
+from .validation import check_options, check_sliding_window
 
 
 class SequenceParallelAttention(nn.Module):
@@ -16,7 +16,8 @@ class SequenceParallelAttention(nn.Module):
     ``forward(q, k, v)`` takes q ``[b, n, h, d]`` and k/v ``[b, n, h_kv, d]`` (this
     rank's shard, in ``layout`` over ``topology.sp_rank``) and returns ``[b, n, h, d]``.
     Holds no parameters, so checkpoints do not depend on the grid shape. ``validate``:
-    see :func:`ring_sp.ring_attention`.
+    see :func:`ring_sp.ring_attention`. ``sliding_window``: the default window of
+    :meth:`forward` (see :func:`ring_sp.ring_attention`; needs ``causal=True``).
     """
 
     def __init__(
@@ -28,11 +29,14 @@ class SequenceParallelAttention(nn.Module):
         backend: str = "auto",
         softmax_scale: float | None = None,
         validate: bool | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(topology, SequenceParallelTopology):
             raise TypeError(f"topology must be a SequenceParallelTopology; got {type(topology).__name__}")
         check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
+        check_sliding_window(sliding_window, causal)
+        self.sliding_window = sliding_window
         self.topology = topology
         self.causal = causal
         self.layout = layout
@@ -41,17 +45,22 @@ class SequenceParallelAttention(nn.Module):
         self.validate = validate
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                cu_seqlens: torch.Tensor | list[int] | None = None, *,
+                cu_seqlens: torch.Tensor | list[int] | None = None,
+                sliding_window: int | None = None, *,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q ``[b, n, h, d]``, k ``[b, n, h_kv, d]``, v ``[b, n, h_kv, d_v]`` -> ``[b, n, h, d_v]``;
-        ``cu_seqlens``: the packed documents' boundaries in the global sequence; ``sinks``: one
-        logit per query head ``[h]``, the caller's parameter (see :func:`ring_sp.ring_attention`)."""
+        ``cu_seqlens``: the packed documents' boundaries in the global sequence;
+        ``sliding_window``: this call's window (None: the module's ``sliding_window``); ``sinks``:
+        one logit per query head ``[h]``, the caller's parameter (see :func:`ring_sp.ring_attention`)."""
+        window = self.sliding_window if sliding_window is None else sliding_window
         return hybrid_attention(
             q, k, v, topology=self.topology, causal=self.causal, layout=self.layout,
             softmax_scale=self.softmax_scale, backend=self.backend, validate=self.validate, cu_seqlens=cu_seqlens,
-            sinks=sinks,
+            sinks=sinks, sliding_window=window,
         )
 
     def extra_repr(self) -> str:
         t = self.topology
-        return f"ulysses={t.ulysses_size}, ring={t.ring_size}, causal={self.causal}, layout={self.layout!r}, backend={self.backend!r}"
+        window = f", sliding_window={self.sliding_window}" if self.sliding_window is not None else ""
+        return (f"ulysses={t.ulysses_size}, ring={t.ring_size}, causal={self.causal}, layout={self.layout!r}, "
+                f"backend={self.backend!r}{window}")

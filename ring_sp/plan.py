@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--batch", type=int, default=1, help="samples per SP group per step")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     model.add_argument("--non-causal", action="store_true")
+    model.add_argument("--sliding-window", type=int, metavar="W",
+                       help="causal sliding-window attention over W keys: the ring exchanges only the halo")
     pin = p.add_argument_group("pin a choice (default: consider all)")
     pin.add_argument("--ulysses", type=int, help="Ulysses size U (ring size = SP / U)")
     pin.add_argument("--placement", choices=PLACEMENTS)
@@ -98,7 +100,7 @@ def _request(args: argparse.Namespace) -> tuple[Cluster, ModelShape, Workload]:
     cluster = Cluster(args.world_size, args.gpus_per_node, tflops * 1e12 * args.efficiency, intra, inter, memory)
     model = ModelShape(args.heads, args.kv_heads if args.kv_heads is not None else args.heads, head_dim,
                        args.hidden, args.layers)
-    work = Workload(args.seq_len, args.batch, args.dtype, not args.non_causal, args.sp_size)
+    work = Workload(args.seq_len, args.batch, args.dtype, not args.non_causal, args.sp_size, args.sliding_window)
     return cluster, model, work
 
 
@@ -119,7 +121,8 @@ def render(result: Plan, args: argparse.Namespace) -> str:
     nodes = max(1, cl.world_size // cl.gpus_per_node)
     best = result.recommended
     lines = [
-        f"ring-sp plan: {w.seq_len} tokens x batch {w.batch}, {w.dtype}, {'causal' if w.causal else 'non-causal'}, "
+        f"ring-sp plan: {w.seq_len} tokens x batch {w.batch}, {w.dtype}, {'causal' if w.causal else 'non-causal'}"
+        f"{'' if w.sliding_window is None else f' sliding window {w.sliding_window}'}, "
         f"SP degree {result.sp_size} of {cl.world_size} GPUs ({nodes} node(s) x {cl.gpus_per_node})",
         f"  model    {m.heads} q / {m.kv_heads} kv heads x head_dim {m.head_dim}, hidden {m.hidden}, {m.layers} layers",
         f"  compute  {GPUS[args.gpu].name if args.tflops is None else 'custom'}: "

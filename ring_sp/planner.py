@@ -28,7 +28,7 @@ import torch
 from .attention import check_ulysses_heads
 from .kernels import softmax_stat_dtype
 from .layouts import check_layout, ulysses_to_ring_order
-from .schedule import ring_step_tasks
+from .schedule import exchange_plan, ring_step_tasks
 from .topology import PLACEMENTS, rank_grid
 from .ulysses import kv_heads_per_rank
 
@@ -73,13 +73,15 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Workload:
-    """One sample of ``seq_len`` tokens (``batch`` of them) over ``sp_size`` ranks (None = all)."""
+    """One sample of ``seq_len`` tokens (``batch`` of them) over ``sp_size`` ranks (None = all);
+    ``sliding_window``: causal sliding-window attention over that many keys (None: full)."""
 
     seq_len: int
     batch: int = 1
     dtype: str = "bf16"
     causal: bool = True
     sp_size: int | None = None
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,19 @@ def dtype_bytes(dtype: str) -> tuple[int, int]:
     return torch_dtype.itemsize, softmax_stat_dtype(torch_dtype).itemsize
 
 
+def ring_halo_rows(layout: str, ring: int, chunk: int, window: int | None, ring_rank: int,
+                   causal: bool = True) -> tuple[int, int]:
+    """(KV rows ring rank ``ring_rank`` sends, dK/dV partial rows it sends home) in one layer
+    with a sliding ``window`` (``chunk`` = N / R tokens per ring rank), summed over the steps:
+    the rows its partners read (:func:`ring_sp.schedule.exchange_plan`)."""
+    plan_ = exchange_plan(layout, causal, ring_rank, ring, chunk, None, window)
+    rows = lambda spans: sum(b - a for a, b in (r for r in spans[1:] if r is not None))  # noqa: E731
+    return rows(plan_.send_rows), rows(plan_.recv_rows)
+
+
 def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
-                dtype: str, value_head_dim: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
+                dtype: str, value_head_dim: int | None = None, layout: str = "zigzag", causal: bool = True,
+                sliding_window: int | None = None, ring_rank: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes ONE rank sends in one attention layer, forward and backward, keyed by the kinds
     :func:`ring_sp.count_communication` records (DESIGN.md section 5 as implemented).
 
@@ -157,6 +170,13 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
     while it collects, the input dtype on the last hop home (fp32 again when replicated).
     ``value_head_dim`` (None = ``head_dim``): v, out and dout carry it, q/k/dq ``head_dim``;
     a packed KV message holds ``head_dim + value_head_dim`` per KV head and token.
+
+    With a ``sliding_window`` shorter than N (``layout`` and ``causal`` then matter) the ring
+    part is the halo: the packed rows a rank's partners read go only to them, and each fp32
+    dK/dV partial of those rows straight home (:func:`ring_halo_rows`), for ring rank ``ring_rank``
+    or, when None, each kind's maximum over the ring ranks (a bound for every rank; with
+    contiguous, rank 0 sends the only KV shard and rank 1 the only partial). Kinds with
+    nothing sent are left out.
     """
     elem, acc = dtype_bytes(dtype)
     d_v = head_dim if value_head_dim is None else value_head_dim
@@ -175,7 +195,17 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
         fwd["ulysses_a2a_out"] = bwd["ulysses_a2a_dout"] = a2a(out_elems, elem)
         fwd["ulysses_a2a_kv"] = a2a(kv_elems, elem)
         bwd["ulysses_a2a_dkv"] = a2a(kv_elems, acc if replicated else elem)
-    if ring > 1:
+    windowed = sliding_window is not None and sliding_window < local_len * ulysses * ring
+    if ring > 1 and windowed:
+        kv_row = batch * m * (head_dim + d_v)  # elements of one packed [k; v] token
+        counts = {r: ring_halo_rows(layout, ring, local_len * ulysses, sliding_window, r, causal) for r in range(ring)}
+        kv_rows, dkv_rows = counts[ring_rank] if ring_rank is not None else (
+            max(c[0] for c in counts.values()), max(c[1] for c in counts.values()))
+        if kv_rows:
+            fwd["ring_kv"] = bwd["ring_kv"] = kv_rows * kv_row * elem
+        if dkv_rows:
+            bwd["ring_dkv"] = dkv_rows * kv_row * acc
+    elif ring > 1:
         kv_shard = batch * local_len * ulysses * m * (head_dim + d_v)
         fwd["ring_kv"] = bwd["ring_kv"] = (ring - 1) * kv_shard * elem
         bwd["ring_dkv"] = (ring - 1) * kv_shard * acc + kv_shard * (acc if replicated else elem)
@@ -226,14 +256,39 @@ def _step_pairs(layout: str, causal: bool, ring: int, chunk: int) -> list[int]:
     ]
 
 
+def _window_ring_seconds(layout: str, ring: int, chunk: int, window: int, flops_per_pair: float, flops: float,
+                         kv_s: float, dkv_s: float) -> tuple[float, float, bool, bool]:
+    """(forward, backward) ring seconds with a sliding window, and whether every transfer
+    hides behind compute (forward, backward): each step lasts as long as its slowest rank's
+    compute or the transfer in flight meanwhile (the next step's KV, forward; plus this
+    step's dK/dV partials, backward); steps where no rank computes cost nothing, and the last
+    partials home are exposed."""
+    plans = [exchange_plan(layout, True, r, ring, chunk, None, window) for r in range(ring)]
+    compute = [max(sum(t.visible_pairs() for t in p.schedule[step]) for p in plans) * flops_per_pair / flops
+               for step in range(ring)]
+    # the fraction of a shard the largest message of each step carries (0: no message)
+    moves = [0.0] + [max((b - a) / chunk for p in plans if p.recv_rows[step] is not None
+                         for a, b in [p.recv_rows[step]]) if any(p.receives[step] for p in plans) else 0.0
+                     for step in range(1, ring)] + [0.0]
+    fwd = sum(max(compute[t], kv_s * moves[t + 1]) for t in range(ring))
+    bwd_transfer = [kv_s * moves[t + 1] + dkv_s * moves[t] for t in range(ring)]
+    bwd = sum(max(BACKWARD_FLOP_RATIO * compute[t], bwd_transfer[t]) for t in range(ring))
+    hides_fwd = all(compute[t] >= kv_s * moves[t + 1] for t in range(ring))
+    hides_bwd = all(BACKWARD_FLOP_RATIO * compute[t] >= bwd_transfer[t] for t in range(ring))
+    last = max((t for t in range(ring) if moves[t]), default=None)
+    return fwd, bwd + (dkv_s * moves[last] if last is not None else 0.0), hides_fwd, hides_bwd
+
+
 def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cluster, model: ModelShape,
                work: Workload, sp_size: int) -> Candidate:
     elem, acc = dtype_bytes(work.dtype)
     b, d = work.batch, model.head_dim
     local_len, chunk = work.seq_len // sp_size, work.seq_len // ring
     heads_here, m = model.heads // ulysses, kv_heads_per_rank(model.kv_heads, ulysses)
+    window = work.sliding_window if work.sliding_window is not None and work.sliding_window < work.seq_len else None
     fwd_bytes, bwd_bytes = layer_bytes(ulysses=ulysses, ring=ring, batch=b, local_len=local_len, heads=model.heads,
-                                       kv_heads=model.kv_heads, head_dim=d, dtype=work.dtype)
+                                       kv_heads=model.kv_heads, head_dim=d, dtype=work.dtype, layout=layout,
+                                       causal=work.causal, sliding_window=window)
     where = _Placement.of(ulysses, ring, placement, cluster)
     ring_bw = cluster.inter_bw if where.ring_link == "inter" else cluster.intra_bw
     a2a_fwd, a2a_bwd = (sum(where.a2a_seconds(v, cluster) for k, v in sent.items() if k.startswith("ulysses"))
@@ -245,10 +300,15 @@ def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cl
     compute = [pairs * flops_per_pair / cluster.flops for pairs in _step_pairs(layout, work.causal, ring, chunk)]
     fwd_steps = [max(c, kv_s) for c in compute[:-1]] + [compute[-1]]
     bwd_steps = [max(BACKWARD_FLOP_RATIO * c, kv_s + dkv_s) for c in compute[:-1]] + [BACKWARD_FLOP_RATIO * compute[-1]]
+    ring_fwd = sum(fwd_steps)
     ring_bwd = sum(bwd_steps) + (dkv_s if ring > 1 else 0.0)  # the last [dk; dv] goes home after the compute
     # Transfer time grows as c and compute as c^2: a step hides its transfer from this chunk on
     # (DESIGN section 8: c >= (F/B) (H_kv/H) (bytes/2) per full step, twice that per causal half step).
     hardest = min(compute[:-1], default=0.0)  # the overlapped step with the least compute
+    hides_fwd, hides_bwd = ring == 1 or hardest >= kv_s, ring == 1 or BACKWARD_FLOP_RATIO * hardest >= kv_s + dkv_s
+    if window is not None:  # (the min-chunk figures stay those of the full ring)
+        ring_fwd, ring_bwd, hides_fwd, hides_bwd = _window_ring_seconds(layout, ring, chunk, window, flops_per_pair,
+                                                                        cluster.flops, kv_s, dkv_s)
     # (rounded first: float noise must not turn an exact 4945.0 into 4946)
     min_fwd = math.ceil(round(kv_s * chunk / hardest, 6)) if ring > 1 else 0
     min_bwd = math.ceil(round((kv_s + dkv_s) * chunk / (BACKWARD_FLOP_RATIO * hardest), 6)) if ring > 1 else 0
@@ -267,13 +327,16 @@ def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cl
         notes.append("Ulysses all-to-all crosses nodes")
     if model.kv_heads % ulysses != 0:
         notes.append(f"KV heads replicated {ulysses // model.kv_heads}x")
-    if layout == "contiguous" and work.causal and ring > 1:
+    if layout == "contiguous" and work.causal and ring > 1 and window is None:
         notes.append("causal work unbalanced (~2x)")
+    if window is not None and ring > 1:
+        notes.append(f"sliding window {window}: {fwd_bytes.get('ring_kv', 0) / (kv_shard * elem):.2f} KV shards "
+                     f"sent instead of {ring - 1}")
     return Candidate(
         ulysses, ring, placement, layout, fwd_bytes, bwd_bytes, where.ulysses_link, where.ring_link, chunk, min_fwd,
         min_bwd,
-        hides_fwd=ring == 1 or hardest >= kv_s, hides_bwd=ring == 1 or BACKWARD_FLOP_RATIO * hardest >= kv_s + dkv_s,
-        a2a_fwd_s=a2a_fwd, a2a_bwd_s=a2a_bwd, ring_fwd_s=sum(fwd_steps), ring_bwd_s=ring_bwd,
+        hides_fwd=hides_fwd, hides_bwd=hides_bwd,
+        a2a_fwd_s=a2a_fwd, a2a_bwd_s=a2a_bwd, ring_fwd_s=ring_fwd, ring_bwd_s=ring_bwd,
         activation_bytes=model.layers * (layer_act + saved), working_bytes=working, notes=tuple(notes),
     )
 
@@ -313,6 +376,10 @@ def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | 
               kv_heads=model.kv_heads, head_dim=model.head_dim, hidden=model.hidden, layers=model.layers,
               seq_len=work.seq_len, batch=work.batch)
     dtype_bytes(work.dtype)
+    if work.sliding_window is not None:
+        _positive(sliding_window=work.sliding_window)
+        if not work.causal:
+            raise PlanError(f"sliding-window={work.sliding_window} needs causal attention; drop --non-causal")
     if cluster.world_size % sp != 0:
         raise PlanError(f"sp-size={sp} does not divide world-size={cluster.world_size}: the world is split into "
                         f"data-parallel replicas of sp-size ranks; choose a divisor of {cluster.world_size}")
@@ -351,14 +418,16 @@ def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | 
         try:
             if u > 1:
                 check_ulysses_heads(model.heads, model.kv_heads, u)
-            chosen = _layout_for(layout, work.causal, u, r, work.seq_len)
+            chosen = [_layout_for(layout, work.causal, u, r, work.seq_len)]
         except ValueError as exc:
             skipped.append(f"U={u} x R={r}: {exc}")
             continue
-        options = [_candidate(u, r, p, chosen, cluster, model, work, sp) for p in ([placement] if placement else
-                   PLACEMENTS if u > 1 and r > 1 else ["ulysses_inner"])]
+        if layout == "auto" and work.sliding_window is not None and r > 1 and chosen != ["contiguous"]:
+            chosen.append("contiguous")  # a window balances causal work by itself: contiguous may win on bytes
+        options = [_candidate(u, r, p, lay, cluster, model, work, sp) for lay in chosen for p in ([placement] if placement
+                   else PLACEMENTS if u > 1 and r > 1 else ["ulysses_inner"])]
         # placements that put every group on the same links (one node, say) are one candidate: the default
-        same = [(c.ulysses_link, c.ring_link, c.layer_s) for c in options]
+        same = [(c.layout, c.ulysses_link, c.ring_link, c.layer_s) for c in options]
         candidates += [c for i, c in enumerate(options) if same[i] not in same[:i]]
     if not candidates:
         raise PlanError("no U x R split can run this request:\n  " + "\n  ".join(skipped))

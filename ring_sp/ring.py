@@ -1,18 +1,25 @@
 """Ring attention: the one forward loop and the one backward loop (DESIGN.md section 4).
 
-Each ring rank keeps its queries; the packed ``[k; v]`` shard travels to the next rank
-every step while the current one is being used (double buffer, posted before compute);
-k and v share one flat buffer, so a value head size different from k's (MLA) travels in
-the same single message.
-The layout only enters through :func:`ring_sp.schedule.ring_step_tasks`, which says what
-to compute at each step, so every layout shares these two loops. In the backward pass
-the fp32 ``[dk; dv]`` accumulator travels with its KV shard and arrives home after ``R``
-sends; ``dq`` stays local.
+Each ring rank keeps its queries. At step ``t`` rank ``r`` holds the packed ``[k; v]``
+shard of rank ``r - t`` (k and v share one flat buffer, so a value head size different
+from k's, MLA, travels in the same single message): every rank sends its OWN shard to ``r + t`` and receives from
+``r - t`` (the same bytes and calls per step as relaying neighbour to neighbour), posted
+before the previous step's compute into a double buffer. The layout (and mask) only enters
+through :func:`ring_sp.schedule.step_tasks`, which says what to compute at each step, so
+every layout shares these two loops; a pair of ranks with nothing to compute exchanges
+nothing, which with a sliding window leaves only the halo partners (one or two).
+
+Backward, ``dq`` stays local and the dK/dV partials take one of two routes, a pure choice
+per call (:attr:`RingSpec.relay_dkv`): the full ring relays an fp32 ``[dk; dv]``
+accumulator with its shard, home after ``R`` sends (last hop in the input dtype); a sliding
+window sends each fp32 partial straight home to ``r - t``, where the owner sums them and
+rounds once (it then talks to its halo partners only). Attention sinks fold into the
+merged rows once, at the end of the forward (:func:`ring_sp.merge.fold_sinks`).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,7 +28,7 @@ from .comm import PendingExchange, RingComm
 from .kernels import AttentionKernel, softmax_stat_dtype
 from .merge import fold_sinks, merge_block_
 from .layouts import Boundaries
-from .schedule import BlockTask, step_tasks
+from .schedule import BlockTask, exchange_plan
 
 
 class RingSpec:
@@ -29,19 +36,27 @@ class RingSpec:
     documents), the kernel."""
 
     def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
-                 local_len: int, cu_seqlens: Boundaries | None = None, ulysses_size: int = 1) -> None:
+                 local_len: int, cu_seqlens: Boundaries | None = None, window: int | None = None,
+                 ulysses_size: int = 1) -> None:
         self.comm = comm
         self.kernel = kernel
         self.scale = scale
         self.world_size = comm.world_size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
         # The whole schedule, once per call (forward and backward share it): the KV at step
-        # t comes from rank (rank - t) mod R. With documents this is the costly part.
+        # t comes from rank (rank - t) mod R. With documents this is the costly part. Who
+        # exchanges at step t: this rank receives from r - t iff it computes something, and
+        # sends to r + t iff that rank does (with a window; without one, every step).
+        plan = exchange_plan(layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
+                             bool(getattr(kernel, "supports_window", False)), ulysses_size=ulysses_size)
+        self.recv_rows, self.send_rows = plan.recv_rows, plan.send_rows
+        self.receives, self.sends = plan.receives, plan.sends
+        # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
         self.schedule = tuple(
-            step_tasks(layout, causal, self.rank, (self.rank - step) % self.world_size, self.world_size, local_len,
-                       cu_seqlens, ulysses_size)
-            for step in range(self.world_size)
+            tasks if step == 0 or not tasks else tuple(_kv_shifted(t, -plan.recv_rows[step][0]) for t in tasks)
+            for step, tasks in enumerate(plan.schedule)
         )
+        self.relay_dkv = window is None
         # One rank whose blocks never share a query row: nothing to merge, so no fp32
         # accumulators (the Ulysses-only case; documents give one block per document).
         self.local = self.world_size == 1 and _rows_disjoint(self.schedule[0])
@@ -51,8 +66,123 @@ class RingSpec:
         return enumerate(self.schedule)
 
     def rotate(self, send: torch.Tensor, recv: torch.Tensor, kind: str) -> PendingExchange:
+        """Neighbour exchange (the relayed dK/dV accumulator): send -> rank + 1, recv <- rank - 1."""
         assert self.comm is not None  # only called when world_size > 1
         return self.comm.exchange(send, recv, kind)
+
+
+def _kv_shifted(task: BlockTask, offset: int) -> BlockTask:
+    return BlockTask(task.q, slice(task.kv.start + offset, task.kv.stop + offset), task.causal, task.window)
+
+
+def _span(rows: tuple[int, int] | None) -> int:
+    return 0 if rows is None else rows[1] - rows[0]
+
+
+@dataclass(frozen=True)
+class _KVShape:
+    """Batch, KV heads and the k / v head sizes of a packed KV message; its row count varies."""
+
+    batch: int
+    heads: int
+    d: int
+    d_v: int
+
+    @staticmethod
+    def of(k: torch.Tensor, v: torch.Tensor) -> _KVShape:
+        return _KVShape(k.shape[0], k.shape[2], k.shape[3], v.shape[3])
+
+    def numel(self, rows: int) -> int:
+        return self.batch * rows * self.heads * (self.d + self.d_v)
+
+    def view(self, flat: torch.Tensor, rows: int) -> _PackedKV:
+        """The first ``numel(rows)`` elements of ``flat`` as k ``[b, rows, h_kv, d]`` then v."""
+        split = self.batch * rows * self.heads * self.d
+        return _PackedKV(flat[: self.numel(rows)], flat[:split].view(self.batch, rows, self.heads, self.d),
+                         flat[split: self.numel(rows)].view(self.batch, rows, self.heads, self.d_v))
+
+    def allocate(self, rows: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> _PackedKV:
+        make = torch.zeros if zero else torch.empty
+        return self.view(make(self.numel(rows), dtype=dtype, device=device), rows)
+
+
+@dataclass(frozen=True)
+class _PackedKV:
+    """k ``[b, s, h_kv, d]`` and v ``[b, s, h_kv, d_v]`` as contiguous views of ONE flat
+    buffer ``buf``, so each message is one send whatever ``d_v`` is."""
+
+    buf: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @staticmethod
+    def of(k: torch.Tensor, v: torch.Tensor) -> _PackedKV:
+        packed = _KVShape.of(k, v).allocate(k.shape[1], k.dtype, k.device)
+        packed.k.copy_(k)
+        packed.v.copy_(v)
+        return packed
+
+
+class _Slots:
+    """``count`` flat buffers allocated once per call, each viewed per step as a packed KV
+    message of any ``rows`` up to the largest of ``rows_per_step``."""
+
+    def __init__(self, count: int, shape: _KVShape, rows_per_step: list[int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.shape = shape
+        size = shape.numel(max(rows_per_step, default=0))
+        self.flat = [torch.empty(size, dtype=dtype, device=device) for _ in range(count if size else 0)]
+
+    def view(self, step: int, rows: int) -> _PackedKV:
+        return self.shape.view(self.flat[step % len(self.flat)], rows)
+
+
+class _Mail:
+    """The messages of one pass in one direction. Step ``t`` receives rows ``recv_rows[t]``
+    of rank ``r - t``'s shard into one of two inbox slots (``t % 2``; the other one may still
+    be computed with) and sends rows ``send_rows[t]`` of ``own`` to ``r + t``: ``own`` itself
+    when whole (the full ring), else a staged copy. ``reverse`` swaps the two directions
+    (partials go home to ``r - t``)."""
+
+    def __init__(self, spec: RingSpec, own: _PackedKV | None, kind: str, shape: _KVShape, dtype: torch.dtype,
+                 device: torch.device, reverse: bool = False) -> None:
+        self.spec, self.own, self.kind, self.reverse = spec, own, kind, reverse
+        self.inbound, self.outbound = (spec.send_rows, spec.recv_rows) if reverse else (spec.recv_rows, spec.send_rows)
+        arriving = [_span(r) for r in self.inbound[1:]]
+        self.inbox = _Slots(min(2, sum(map(bool, arriving))), shape, arriving, dtype, device)
+        staged = [_span(r) for r in self.outbound[1:] if r is not None and (own is None or _span(r) != own.rows)]
+        self.stage = _Slots(2 if reverse else 1, shape, staged, dtype, device)
+
+    def received(self, step: int) -> _PackedKV | None:
+        """Step ``step``'s message (after its exchange was waited on); None if none arrives."""
+        return None if self.inbound[step] is None else self.inbox.view(step, _span(self.inbound[step]))
+
+    def outgoing(self, step: int) -> _PackedKV:
+        """A buffer for step ``step``'s message that the caller fills (the ``reverse`` direction)."""
+        return self.stage.view(step, _span(self.outbound[step]))
+
+    def post(self, step: int, message: _PackedKV | None = None) -> PendingExchange | None:
+        """Post step ``step``'s exchange (None when this rank neither sends nor receives)."""
+        if step >= self.spec.world_size or (self.inbound[step] is None and self.outbound[step] is None):
+            return None
+        send = None
+        if self.outbound[step] is not None:
+            send = message
+            if send is None:  # own rows, staged unless whole; the stage's last send was waited on
+                assert self.own is not None  # the forward direction always has its own shard
+                a, b = self.outbound[step]
+                send = self.own if b - a == self.own.rows else self.stage.view(step, b - a)
+                if send is not self.own:
+                    send.k.copy_(self.own.k[:, a:b])
+                    send.v.copy_(self.own.v[:, a:b])
+        recv = self.received(step) if self.inbound[step] is not None else None
+        assert self.spec.comm is not None  # world_size > 1 here
+        return self.spec.comm.exchange(None if send is None else send.buf, None if recv is None else recv.buf,
+                                       self.kind, offset=-step if self.reverse else step)
 
 
 def _rows_disjoint(tasks: tuple[BlockTask, ...]) -> bool:
@@ -68,38 +198,19 @@ def _covers(task: BlockTask, q: torch.Tensor, k: torch.Tensor) -> bool:
 def _block_forward(spec: RingSpec, task: BlockTask, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on one block: ``task``'s query rows of ``q`` against its keys of ``k``/``v``."""
-    return spec.kernel.forward(q[:, task.q], k[:, task.kv], v[:, task.kv], causal=task.causal, scale=spec.scale)
+    return spec.kernel.forward(q[:, task.q], k[:, task.kv], v[:, task.kv], causal=task.causal, scale=spec.scale,
+                               window=task.window)
 
 
 def _block_backward(spec: RingSpec, task: BlockTask, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The kernel's gradients of one block, given the global ``out`` and ``lse`` rows."""
     return spec.kernel.backward(dout[:, task.q], q[:, task.q], k[:, task.kv], v[:, task.kv], out[:, task.q],
-                                lse[:, :, task.q], causal=task.causal, scale=spec.scale)
+                                lse[:, :, task.q], causal=task.causal, scale=spec.scale, window=task.window)
 
 
-class _PackedKV:
-    """k ``[b, s, h_kv, d]`` and v ``[b, s, h_kv, d_v]`` as contiguous views of ONE flat
-    buffer, so each step sends one message, not two, whatever ``d_v`` is."""
-
-    def __init__(self, k_shape: torch.Size, v_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> None:
-        split = math.prod(k_shape)
-        self.buf = torch.empty(split + math.prod(v_shape), dtype=dtype, device=device)
-        self.k = self.buf[:split].view(k_shape)
-        self.v = self.buf[split:].view(v_shape)
-
-    @staticmethod
-    def of(k: torch.Tensor, v: torch.Tensor) -> _PackedKV:
-        packed = _PackedKV(k.shape, v.shape, k.dtype, k.device)
-        packed.k.copy_(k)
-        packed.v.copy_(v)
-        return packed
-
-    def empty_like(self, dtype: torch.dtype | None = None) -> _PackedKV:
-        return _PackedKV(self.k.shape, self.v.shape, dtype or self.buf.dtype, self.buf.device)
-
-
-def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The merged rows in ``dtype``, the sinks folded in first (once, before the one rounding)."""
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)
@@ -118,10 +229,11 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
     acc_dtype = softmax_stat_dtype(q.dtype)
     out = torch.zeros((b, n, h, v.shape[3]), dtype=acc_dtype, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc_dtype, device=q.device)
-    kv = _PackedKV.of(k, v)
-    kv_next = kv.empty_like()
+    own = _PackedKV.of(k, v)
+    mail = _Mail(spec, own, "ring_kv", _KVShape.of(k, v), k.dtype, k.device)
     for step, tasks in spec.steps():
-        pending = spec.rotate(kv.buf, kv_next.buf, "ring_kv") if step + 1 < spec.world_size else None
+        kv = own if step == 0 else mail.received(step)  # arrived: waited at the end of the previous step
+        pending = mail.post(step + 1)
         written: list[slice] = []  # rows filled at step 0: a first write is a copy, not a merge
         for task in tasks:
             out_b, lse_b = _block_forward(spec, task, q, kv.k, kv.v)
@@ -133,7 +245,6 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
                 merge_block_(out[:, task.q], lse[:, :, task.q], out_b, lse_b)
         if pending is not None:
             pending.wait()
-            kv, kv_next = kv_next, kv
     return _finish(out, lse, sinks, q.dtype)
 
 
@@ -180,36 +291,94 @@ def ring_backward(
     acc_dtype = softmax_stat_dtype(q.dtype)
     # Accumulators are allocated explicitly: ``x.to(torch.float32)`` would alias an fp32 x.
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    kv = _PackedKV.of(k, v)
-    kv_next = kv.empty_like()
-    dkv, dkv_next = kv.empty_like(acc_dtype), kv.empty_like(acc_dtype)
-    dkv.buf.zero_()
+    own = _PackedKV.of(k, v)
+    shape = _KVShape.of(k, v)
+    mail = _Mail(spec, own, "ring_kv", shape, k.dtype, k.device)
     dout = dout.contiguous()
-    kv_pending: PendingExchange | None = None
-    dkv_pending: PendingExchange | None = None
-    last = spec.world_size - 1
+    route = (_RelayedGrads if spec.relay_dkv else _DirectGrads)(spec, shape, k.shape[1], acc_dtype, k.device)
     for step, tasks in spec.steps():
-        if step < last:
-            kv_pending = spec.rotate(kv.buf, kv_next.buf, "ring_kv")
+        kv = own if step == 0 else mail.received(step)
+        kv_pending = mail.post(step + 1)
         grads = [(task, _block_backward(spec, task, dout, q, kv.k, kv.v, out, lse)) for task in tasks]
-        if dkv_pending is not None:  # the accumulator of the KV we now hold arrives
-            dkv_pending.wait()
-            dkv, dkv_next = dkv_next, dkv
-        for task, (dq_b, dk_b, dv_b) in grads:
+        for task, (dq_b, _, _) in grads:
             dq[:, task.q] += dq_b
-            dkv.k[:, task.kv] += dk_b
-            dkv.v[:, task.kv] += dv_b
-        if step < last:  # pass the accumulator on with its KV
-            dkv_pending = spec.rotate(dkv.buf, dkv_next.buf, "ring_dkv")
+        route.add(step, grads)
         if kv_pending is not None:
             kv_pending.wait()
-            kv, kv_next = kv_next, kv
-            kv_pending = None
-    # After R - 1 hops every accumulator holds all its contributions; one more takes it home.
-    home = dkv.empty_like(deliver_dtype)
-    send = dkv.buf if deliver_dtype == acc_dtype else dkv.buf.to(deliver_dtype)
-    spec.rotate(send, home.buf, "ring_dkv").wait()
-    return dq, home.k, home.v
+    return (dq, *route.finish(deliver_dtype))
+
+
+class _RelayedGrads:
+    """The full ring's dK/dV route: an fp32 accumulator travels with its KV shard (relayed
+    neighbour to neighbour) and goes home after ``R`` sends, the last in ``deliver_dtype``."""
+
+    def __init__(self, spec: RingSpec, shape: _KVShape, rows: int, acc_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.spec, self.shape, self.acc_dtype = spec, shape, acc_dtype
+        self.dkv = shape.allocate(rows, acc_dtype, device, zero=True)
+        self.dkv_next = shape.allocate(rows, acc_dtype, device)
+        self.pending: PendingExchange | None = None
+
+    def add(self, step: int, grads: list) -> None:
+        if self.pending is not None:  # the accumulator of the KV we now hold arrives
+            self.pending.wait()
+            self.dkv, self.dkv_next = self.dkv_next, self.dkv
+        for task, (_, dk_b, dv_b) in grads:
+            self.dkv.k[:, task.kv] += dk_b
+            self.dkv.v[:, task.kv] += dv_b
+        if step < self.spec.world_size - 1:  # pass the accumulator on with its KV
+            self.pending = self.spec.rotate(self.dkv.buf, self.dkv_next.buf, "ring_dkv")
+
+    def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # After R - 1 hops every accumulator holds all its contributions; one more takes it home.
+        home = self.shape.allocate(self.dkv.rows, deliver_dtype, self.dkv.buf.device)
+        send = self.dkv.buf if deliver_dtype == self.acc_dtype else self.dkv.buf.to(deliver_dtype)
+        self.spec.rotate(send, home.buf, "ring_dkv").wait()
+        return home.k, home.v
+
+
+class _DirectGrads:
+    """The sliding window's dK/dV route: the fp32 partial for the rows of rank ``r - t``'s
+    KV used at step ``t`` goes straight home (one message per halo partner), and this rank
+    adds the partials for its own rows as they arrive from ``r + t``; rounded once, by the owner."""
+
+    def __init__(self, spec: RingSpec, shape: _KVShape, rows: int, acc_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.spec = spec
+        self.home = shape.allocate(rows, acc_dtype, device, zero=True)
+        self.mail = _Mail(spec, None, "ring_dkv", shape, acc_dtype, device, reverse=True)
+        self.pending: tuple[int, PendingExchange] | None = None
+
+    def _collect(self) -> None:
+        if self.pending is not None:
+            step, work = self.pending
+            work.wait()
+            rows = self.spec.send_rows[step]
+            if rows is not None:  # rank + step computed with these rows of our KV: their partial arrived
+                partial = self.mail.received(step)
+                assert partial is not None
+                self.home.k[:, rows[0]:rows[1]] += partial.k
+                self.home.v[:, rows[0]:rows[1]] += partial.v
+            self.pending = None
+
+    def add(self, step: int, grads: list) -> None:
+        target: _PackedKV | None = self.home
+        if step:
+            self._collect()  # frees this step's buffers (their step - 2 exchange was waited on)
+            target = None
+            if self.spec.recv_rows[step] is not None:  # we hold rows of rank - step's KV: a partial goes home
+                target = self.mail.outgoing(step)
+                target.buf.zero_()
+        for task, (_, dk_b, dv_b) in grads:
+            target.k[:, task.kv] += dk_b  # type: ignore[union-attr]  # (blocks only where rows arrived)
+            target.v[:, task.kv] += dv_b  # type: ignore[union-attr]
+        if step:
+            work = self.mail.post(step, target)
+            self.pending = None if work is None else (step, work)
+
+    def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        self._collect()
+        return self.home.k.to(deliver_dtype), self.home.v.to(deliver_dtype)
 
 
 def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

@@ -38,16 +38,28 @@ from .layouts import LAYOUTS, Boundaries, layout_positions, ring_positions
 @dataclass(frozen=True)
 class BlockTask:
     """Attend queries ``q`` (a slice of the local shard) to keys ``kv`` (a slice of the
-    visiting KV shard), with a square causal mask when ``causal``."""
+    visiting KV shard), with a square causal mask when ``causal``.
+
+    ``window`` (sliding windows only) adds a lower edge on a SQUARE block: query ``a``
+    sees key ``c`` only if ``c > a - window``. With ``causal`` that is the band
+    ``a - window < c <= a`` (issued only to kernels with a native window); without it,
+    ``window=1`` is the edge square ``c >= a`` where a window's start crosses the block.
+    """
 
     q: slice
     kv: slice
     causal: bool
+    window: int | None = None
 
     def visible_pairs(self) -> int:
         """Number of (query, key) pairs this block computes: its share of the work."""
         nq = self.q.stop - self.q.start
         nk = self.kv.stop - self.kv.start
+        if self.window is not None:  # square, window >= 1
+            w, m = min(self.window, nq), max(nq - self.window, 0)
+            if self.causal:  # rows a < w see a + 1 keys, the rest w
+                return w * (w + 1) // 2 + m * w
+            return nq * w + m * (m + 1) // 2 + m * (w - 1)  # rows a >= w see n - a + w - 1 keys
         return nq * (nq + 1) // 2 if self.causal else nq * nk
 
 
@@ -83,7 +95,7 @@ def ring_step_tasks(layout: str, causal: bool, rank: int, source: int, local_len
 
 def _shifted(task: BlockTask, q_offset: int, kv_offset: int) -> BlockTask:
     return BlockTask(slice(task.q.start + q_offset, task.q.stop + q_offset),
-                     slice(task.kv.start + kv_offset, task.kv.stop + kv_offset), task.causal)
+                     slice(task.kv.start + kv_offset, task.kv.stop + kv_offset), task.causal, task.window)
 
 
 def _interval_blocks(q: tuple[int, int], kv: tuple[int, int], causal: bool) -> list[BlockTask]:
@@ -202,23 +214,188 @@ def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_s
 
 
 def step_tasks(layout: str, causal: bool, rank: int, source: int, world_size: int, local_len: int,
-               cu_seqlens: Boundaries | None, ulysses_size: int = 1) -> tuple[BlockTask, ...]:
-    """The blocks of one ring step, with or without documents (``ulysses_size``: the
-    Ulysses group size ``U`` of the grid, which only ``document_zigzag``'s ring shards depend on)."""
+               cu_seqlens: Boundaries | None, *, ulysses_size: int = 1, window: int | None = None,
+               native_window: bool = False) -> tuple[BlockTask, ...]:
+    """The blocks of one ring step, with or without documents and a sliding ``window``
+    (causal only; ``native_window``: the kernel takes band blocks, see :func:`window_step_tasks`).
+    ``ulysses_size``: the Ulysses group size ``U`` of the grid, which the ring shards of
+    ``document_zigzag`` with uneven documents depend on (:func:`ring_sp.layouts.ring_positions`)."""
+    if window is not None:
+        return window_step_tasks(layout, rank, source, world_size, local_len, window, cu_seqlens, native_window,
+                                 ulysses_size=ulysses_size)
     if cu_seqlens is None:
         return ring_step_tasks(layout, causal, rank, source, local_len)
     return packed_step_tasks(layout, causal, rank, source, world_size, local_len, cu_seqlens, ulysses_size)
 
 
 def causal_work_per_rank(layout: str, world_size: int, local_len: int, causal: bool = True,
-                         cu_seqlens: Boundaries | None = None, ulysses_size: int = 1) -> list[int]:
+                         cu_seqlens: Boundaries | None = None, ulysses_size: int = 1,
+                         window: int | None = None) -> list[int]:
     """(query, key) pairs each ring rank computes over a whole ring pass: the load balance."""
     return [
         sum(
             task.visible_pairs()
             for step in range(world_size)
             for task in step_tasks(layout, causal, rank, (rank - step) % world_size, world_size, local_len, cu_seqlens,
-                                   ulysses_size)
+                                   ulysses_size=ulysses_size, window=window)
         )
         for rank in range(world_size)
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sliding windows: query i sees key j iff i - window < j <= i (and, packed, the same document).
+#
+# Each shard is cut into RUNS of consecutive coordinates in one frame: global positions for
+# contiguous, zigzag and document_zigzag (one or two runs per shard, two per document), and
+# for striped the local index itself (rank r's a-th token is r + R*a, so the window becomes a
+# band of ceil((window - (r - s)) / R) local tokens). A pair of runs is a block between two
+# intervals of that frame, i.e. a BAND; :func:`band_blocks` covers it exactly with full
+# rectangles, square causal blocks and square "edge" blocks (key c >= query a). Kernels
+# without a window argument get edge blocks only (the fused torch ops flip both sequences
+# and run their causal mask); kernels with one (flash-attn, reference) take the band whole.
+# Nothing here builds a mask tensor, so memory stays O(block) whatever the window.
+# ---------------------------------------------------------------------------------------------
+
+
+def band_blocks(q: tuple[int, int], kv: tuple[int, int], window: int, native_window: bool = False) -> list[BlockTask]:
+    """Blocks covering exactly the pairs (i, j), ``i`` in query interval ``q`` and ``j`` in key
+    interval ``kv`` (half-open, one frame), with ``i - window < j <= i``. Slices are in that frame."""
+    if window < 1:
+        return []
+    return [piece for block in _interval_blocks(q, kv, True) for piece in _lower_edge(block, window, native_window)]
+
+
+def _lower_edge(block: BlockTask, window: int, native_window: bool) -> list[BlockTask]:
+    """``block`` (a full rectangle with every key <= every query, or a square causal block)
+    restricted to keys ``j > i - window``."""
+    qa, qb, ka, kb = block.q.start, block.q.stop, block.kv.start, block.kv.stop
+    if block.causal:  # square diagonal block: row i sees [max(qa, i - window + 1), i]
+        if qb - qa <= window:
+            return [block]
+        if native_window:
+            return [BlockTask(block.q, block.kv, True, window)]
+        pieces = []
+        for t in range(qa, qb, window):  # diagonal squares of `window` rows, plus what lies left of each
+            e = min(t + window, qb)
+            pieces.append(BlockTask(slice(t, e), slice(t, e), True))
+            if t > qa:
+                pieces.extend(_lower_edge(BlockTask(slice(t, e), slice(t - window, t), False), window, native_window))
+        return pieces
+    pieces = []
+    if qa < min(qb, ka + window):  # rows i <= ka + window - 1 see every key
+        pieces.append(BlockTask(slice(qa, min(qb, ka + window)), block.kv, False))
+    s, e = max(qa, ka + window), min(qb, kb + window - 1)  # rows that see keys [i - window + 1, kb)
+    if s < e:
+        pieces.append(BlockTask(slice(s, e), slice(s - window + 1, e - window + 1), False, 1))  # edge square: c >= a
+        if e - window + 1 < kb:
+            pieces.append(BlockTask(slice(s, e), slice(e - window + 1, kb), False))
+    return pieces
+
+
+# (local start, local stop, frame coordinate of the local start, document id)
+_Run = tuple[int, int, int, int]
+
+
+def _runs(positions: torch.Tensor, frame_start: int | None, cu_seqlens: Boundaries | None) -> list[_Run]:
+    """A shard's runs of consecutive global positions (``frame_start`` None), or, for striped,
+    its one run in the local frame starting at ``frame_start``; cut at document boundaries."""
+    import bisect
+
+    n = positions.numel()
+    if frame_start is None:
+        pos = positions.tolist()
+        cuts = [0] + [a for a in range(1, n) if pos[a] != pos[a - 1] + 1] + [n]
+        runs = [(a, b, pos[a]) for a, b in zip(cuts, cuts[1:])]
+    else:
+        runs = [(0, n, frame_start)]
+    if cu_seqlens is None:
+        return [(a, b, f, 0) for a, b, f in runs]
+    pos = positions.tolist()
+    out = []
+    for a, b, f in runs:
+        while a < b:  # split where the document changes (documents are runs of the local order)
+            doc = bisect.bisect_right(cu_seqlens, pos[a]) - 1
+            stop = bisect.bisect_left(pos, cu_seqlens[doc + 1], a, b)
+            out.append((a, stop, f, doc))
+            f, a = f + stop - a, stop
+    return out
+
+
+def window_step_tasks(layout: str, rank: int, source: int, world_size: int, local_len: int, window: int,
+                      cu_seqlens: Boundaries | None = None, native_window: bool = False, *,
+                      ulysses_size: int = 1) -> tuple[BlockTask, ...]:
+    """Causal sliding-window blocks ring rank ``rank`` computes against the KV of ``source``:
+    query at global position i sees key j iff ``i - window < j <= i`` (and the same document
+    of ``cu_seqlens``). ``native_window``: the kernel takes ``BlockTask.window`` bands whole
+    (else bands are cut into causal and edge squares of ``window`` rows). Empty tuple: the
+    step computes nothing (and, in the ring, exchanges nothing)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    # the ring shards (after the Ulysses all-to-all over ulysses_size ranks, in increasing order)
+    positions = ring_positions(layout, ulysses_size, world_size, local_len * world_size, cu_seqlens)
+    if layout == "striped" and world_size > 1:
+        # query a (position rank + R*a) vs key c (source + R*c): c <= a (source <= rank) or
+        # c <= a - 1 (source > rank); c > a - ceil((window - (rank - source)) / R).
+        shift = 1 if source > rank else 0
+        frame_window = -(-(window - (rank - source)) // world_size) - shift
+        q_runs, kv_runs = _runs(positions[rank], -shift, cu_seqlens), _runs(positions[source], 0, cu_seqlens)
+    else:
+        frame_window = window
+        q_runs, kv_runs = _runs(positions[rank], None, cu_seqlens), _runs(positions[source], None, cu_seqlens)
+    tasks: list[BlockTask] = []
+    for qa, qb, qf, qdoc in q_runs:
+        for ka, kb, kf, kdoc in kv_runs:
+            if qdoc != kdoc or kf > qf + (qb - qa) - 1 or kf + (kb - ka) - 1 <= qf - frame_window:
+                continue  # other document, keys all in the future, or all before the window
+            for t in band_blocks((qf, qf + qb - qa), (kf, kf + kb - ka), frame_window, native_window):
+                tasks.append(_shifted(t, qa - qf, ka - kf))
+    return tuple(tasks)
+
+
+Rows = tuple[int, int]  # a [start, stop) range of a shard's local tokens
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """One ring rank's whole pass: the blocks of each step ``t`` (against the KV of rank
+    ``rank - t``, slices in that shard's local order) and, per step, the rows of that KV
+    shard it receives (``recv_rows``) and the rows of its own shard it sends to ``rank + t``
+    (``send_rows``; None: no message). Without a window every step moves the whole shard
+    (the full ring of DESIGN section 5); with one, only the halo partners exchange, and only
+    the rows some block of the partner reads (their hull)."""
+
+    schedule: tuple[tuple[BlockTask, ...], ...]
+    recv_rows: tuple[Rows | None, ...]
+    send_rows: tuple[Rows | None, ...]
+
+    @property
+    def receives(self) -> tuple[bool, ...]:
+        return tuple(rows is not None for rows in self.recv_rows)
+
+    @property
+    def sends(self) -> tuple[bool, ...]:
+        return tuple(rows is not None for rows in self.send_rows)
+
+
+def _kv_hull(tasks: tuple[BlockTask, ...]) -> Rows | None:
+    """The smallest row range of the KV shard holding every block's keys (None: no block)."""
+    return (min(t.kv.start for t in tasks), max(t.kv.stop for t in tasks)) if tasks else None
+
+
+def exchange_plan(layout: str, causal: bool, rank: int, world_size: int, local_len: int,
+                  cu_seqlens: Boundaries | None = None, window: int | None = None,
+                  native_window: bool = False, *, ulysses_size: int = 1) -> ExchangePlan:
+    """The :class:`ExchangePlan` of ring rank ``rank`` (pure: every rank can compute any rank's)."""
+
+    def tasks(r: int, step: int) -> tuple[BlockTask, ...]:
+        return step_tasks(layout, causal, r, (r - step) % world_size, world_size, local_len, cu_seqlens,
+                          ulysses_size=ulysses_size, window=window, native_window=native_window)
+
+    schedule = tuple(tasks(rank, step) for step in range(world_size))
+    if window is None:
+        every = ((0, local_len),) * world_size
+        return ExchangePlan(schedule, every, every)
+    receives = tuple(_kv_hull(t) for t in schedule)
+    sends = tuple(_kv_hull(tasks((rank + step) % world_size, step)) for step in range(world_size))
+    return ExchangePlan(schedule, receives, sends)

@@ -133,3 +133,22 @@ def check_local_length(layout: str, local_len: int, sp_size: int, *, name: str =
             f"so the global length must be a multiple of 2 x the sequence-parallel size); shard with "
             f"ring_sp.shard_batch, which pads any length at its end, or use layout='contiguous'"
         )
+
+
+def check_sliding_window(sliding_window: object, causal: object) -> None:
+    """``sliding_window`` is None or an int >= 1 (keys per query, itself included), and needs
+    ``causal=True`` (query i sees keys ``i - sliding_window < j <= i``)."""
+    if sliding_window is None:
+        return
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(f"sliding_window must be an int >= 1 or None; got {_describe(sliding_window)}")
+    if sliding_window < 1:
+        raise ValueError(
+            f"sliding_window={sliding_window} must be >= 1 (the number of keys each query sees, itself "
+            f"included) or None for no window"
+        )
+    if causal is not True:
+        raise ValueError(
+            f"sliding_window={sliding_window} needs causal=True (query i sees keys i - sliding_window < j <= i); "
+            f"got causal={causal!r}. Pass causal=True, or sliding_window=None"
+        )

@@ -50,12 +50,14 @@ class AttnCase:
     packed: bool = False  # random documents (cu_seqlens) from the seed
     sinks: bool | tuple[float, ...] = False  # one sink logit per query head: random (True) or these
     d_v: int | None = None  # value head size (None = d; MLA when different)
+    window: int | None = None  # sliding_window (causal): query i sees keys i - window < j <= i
 
     def label(self) -> str:
         return (f"{self.mode} U{self.ulysses}xR{self.ring} {self.placement} {self.layout} causal={self.causal} "
                 f"b={self.b} n={self.n_local} h={self.h}/{self.h_kv} d={self.d} {self.dtype} seed={self.seed}"
                 f"{' packed' if self.packed else ''}{f' sinks={self.sinks}' if self.sinks else ''}"
-                f"{f' d_v={self.d_v}' if self.d_v is not None else ''}")
+                f"{f' d_v={self.d_v}' if self.d_v is not None else ''}"
+                f"{'' if self.window is None else f' window={self.window}'}")
 
 
 def random_documents(seq_len: int, seed: int, multiple: int = 1) -> tuple[int, ...]:
@@ -79,6 +81,20 @@ def document_mask(cu_seqlens: tuple[int, ...], causal: bool) -> torch.Tensor:
     return same & torch.ones(n, n, dtype=torch.bool).tril() if causal else same
 
 
+def window_mask(seq_len: int, window: int) -> torch.Tensor:
+    """[N, N] oracle mask of a causal sliding window: query i sees key j iff i - window < j <= i."""
+    i, j = torch.arange(seq_len).unsqueeze(1), torch.arange(seq_len).unsqueeze(0)
+    return (j <= i) & (j > i - window)
+
+
+def case_mask(case: AttnCase, seq_len: int, cu: tuple[int, ...] | None) -> torch.Tensor | None:
+    """The oracle's explicit mask (None: plain causal / full attention)."""
+    mask = None if cu is None else document_mask(cu, case.causal)
+    if case.window is not None:
+        mask = window_mask(seq_len, case.window) if mask is None else mask & window_mask(seq_len, case.window)
+    return mask
+
+
 def case_documents(case: AttnCase, sp_size: int) -> tuple[int, ...] | None:
     if not case.packed:
         return None
@@ -99,6 +115,8 @@ def _sp_group(case: AttnCase) -> dist.ProcessGroup | None:
 
 def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None, sinks=None):
     common = dict(causal=case.causal, layout=case.layout, backend=case.backend, cu_seqlens=cu_seqlens, sinks=sinks)
+    if case.window is not None:
+        common["sliding_window"] = case.window
     if case.mode == "ring":
         return ring_sp.ring_attention(q, k, v, return_lse=True, **common)
     if case.mode == "ulysses":
@@ -112,6 +130,13 @@ def _single_device(inputs: dict[str, torch.Tensor], case: AttnCase, cu_seqlens: 
     q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
     kernel = get_kernel(case.backend, q.device, q.dtype, q.shape[3], v.shape[3])
     scale = q.shape[3] ** -0.5
+    if case.window is not None:  # the windowed blocks of the same kernel on one device
+        from ring_sp.ring import RingSpec, ring_backward, ring_forward
+
+        spec = RingSpec(None, "contiguous", True, kernel, scale, q.shape[1], cu_seqlens, window=case.window)
+        out, lse = ring_forward(q, k, v, spec, inputs.get("sinks"))
+        grads = ring_backward(dout, q, k, v, out, lse, spec, q.dtype)
+        return {name: t.to(q.dtype) for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads))}
     results: dict[str, list[torch.Tensor]] = {"out": [], "dq": [], "dk": [], "dv": []}
     for a, b in zip(cu_seqlens or (0, q.shape[1]), (cu_seqlens or (0, q.shape[1]))[1:]):
         doc = slice(a, b)
@@ -132,7 +157,7 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
     inputs = make_inputs(case.seed * 1000 + dp_rank, case.b, case.n_local * sp_size, case.h, case.h_kv, case.d, dtype,
                          d_v=case.d_v, sinks=case.sinks)
     cu = case_documents(case, sp_size)
-    mask = None if cu is None else document_mask(cu, case.causal)
+    mask = case_mask(case, case.n_local * sp_size, cu)
     expected = oracle_results(inputs, causal=case.causal and mask is None, mask=mask)
 
     def shard(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -241,10 +266,10 @@ class _SumGradsOverRanks(torch.autograd.Function):
         return grad, None
 
 
-def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring: int = 1, *,
-                   sinks: bool = False, d_v: int | None = None) -> bool:
+def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring: int = 1,
+                   window: int | None = None, *, sinks: bool = False, d_v: int | None = None) -> bool:
     """Slow-mode float64 gradcheck of the whole distributed function on every rank
-    (``sinks``: their gradient too; ``d_v``: v's head size)."""
+    (``window``: its ``sliding_window``; ``sinks``: their gradient too; ``d_v``: v's head size)."""
     topo = topology(ulysses, ring) if mode == "hybrid" else None
     sp_rank, sp_size = (topo.sp_rank, topo.sp_size) if topo else (dist.get_rank(), dist.get_world_size())
     group = topo.sp_group if topo else None
@@ -253,16 +278,19 @@ def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring:
     heads, kv_heads = (2, 2) if u == 1 else (u, max(1, u // 2))  # Ulysses: the KV replication path
     inputs = make_inputs(7, 1, n, heads, kv_heads, 4, torch.float64, d_v=d_v, sinks=sinks)
 
+    options = dict(causal=causal, layout=layout) if window is None else dict(causal=causal, layout=layout,
+                                                                             sliding_window=window)
+
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         shard = lambda x: _ShardSummingGrads.apply(x, sp_rank, sp_size, layout, group)  # noqa: E731
         q, k, v = shard(q), shard(k), shard(v)
         extra = {"sinks": _SumGradsOverRanks.apply(rest[0], group)} if rest else {}
         if mode == "ring":
-            out = ring_sp.ring_attention(q, k, v, causal=causal, layout=layout, **extra)
+            out = ring_sp.ring_attention(q, k, v, **options, **extra)
         elif mode == "ulysses":
-            out = ring_sp.ulysses_attention(q, k, v, causal=causal, layout=layout, **extra)
+            out = ring_sp.ulysses_attention(q, k, v, **options, **extra)
         else:
-            out = ring_sp.hybrid_attention(q, k, v, topology=topo, causal=causal, layout=layout, **extra)
+            out = ring_sp.hybrid_attention(q, k, v, topology=topo, **options, **extra)
         return topo.gather_sequence(out, layout=layout) if topo else ring_sp.gather_sequence(out, layout=layout)
 
     names = ("q", "k", "v", "sinks") if sinks else ("q", "k", "v")

@@ -164,7 +164,7 @@ def test_document_zigzag_schedule_covers_exactly_the_same_document_pairs(u: int,
     for rank in range(r):
         for source in range(r):
             got = torch.zeros(local, local, dtype=torch.bool)
-            tasks = step_tasks("document_zigzag", causal, rank, source, r, local, cu, u)
+            tasks = step_tasks("document_zigzag", causal, rank, source, r, local, cu, ulysses_size=u)
             for task in tasks:
                 nq, nk = task.q.stop - task.q.start, task.kv.stop - task.kv.start
                 assert nq > 0 and nk > 0 and (not task.causal or task.q == task.kv)

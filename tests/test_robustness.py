@@ -208,12 +208,12 @@ def _inject(kind: str, at_call: int, action) -> None:
     original = RingComm.exchange
     seen = {"n": 0}
 
-    def exchange(self, send, recv, kind_="ring_p2p"):
+    def exchange(self, send, recv, kind_="ring_p2p", **kwargs):
         if kind_ == kind:
             seen["n"] += 1
             if seen["n"] == at_call:
                 action()
-        return original(self, send, recv, kind_)
+        return original(self, send, recv, kind_, **kwargs)
 
     RingComm.exchange = exchange  # the pool is killed after every fault case
 

@@ -50,6 +50,27 @@ def _flag(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default)
 
 
+def sliding_window_from_megatron(window_size: Any, *, name: str = "window_size") -> int | None:
+    """ring_sp's ``sliding_window`` for Megatron's ``window_size=(left, right)`` (-1 = unbounded).
+
+    Megatron's mask lets query i see keys ``i - left <= j <= i + right``; ring_sp runs causal
+    windows, so ``(left, 0)`` becomes ``left + 1`` keys (itself included) and ``(-1, 0)``
+    (or None) plain causal attention. Anything looking ahead (``right != 0``) raises.
+    """
+    if window_size is None:
+        return None
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={window_size!r} must be a pair (left, right) of ints") from None
+    if right != 0 or left < -1:
+        raise ValueError(
+            f"{name}={tuple(window_size)} is not supported by ring_sp attention: only causal sliding windows "
+            f"(left, 0) with left >= 0 (query i sees keys i - left .. i), or (-1, 0) for no window"
+        )
+    return None if left == -1 else left + 1
+
+
 def validate_ring_sp_args(args: argparse.Namespace, *, rope_follows_layout: bool = False) -> RingSPConfig | None:
     """The :class:`RingSPConfig` of parsed arguments, or None when ``--ring-sp`` is off.
 
@@ -91,6 +112,7 @@ def ring_sp_config_from_args(args: argparse.Namespace, *, rope_follows_layout: b
             "--reset-attention-mask is not supported with --ring-sp: ring_sp ignores attention-mask tensors; "
             "pack documents as THD batches (packed_seq_params, --ring-sp-layout document_zigzag) instead"
         )
+    sliding_window_from_megatron(_flag(args, "window_size"), name="--window-size")
     rope = _flag(args, "position_embedding_type") in ("rope", "yarn", "mrope")
     if unpacked_layout(config.layout) != "zigzag" and rope and not rope_follows_layout:
         raise ValueError(

@@ -27,11 +27,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
 from ring_sp import SequenceParallelTopology, hybrid_attention
 
-from .arguments import megatron_lm_args, ring_sp_config_from_args
+from .arguments import megatron_lm_args, ring_sp_config_from_args, sliding_window_from_megatron
 from .config import RingSPConfig, unpacked_layout
 from .packed import packed_attention_args
 from .topology import topology_from_parallel_state
@@ -53,6 +53,11 @@ class RingSPCoreAttention(MegatronModule):
     zigzag is what ``get_batch_on_this_cp_rank`` produces, document_zigzag what
     ``get_thd_batch_on_this_cp_rank`` produces for packed sequences. No parameters, except the
     ``softmax_offset`` of ``softmax_type='learnable'`` (one sink logit per head).
+
+    Sliding windows: a layer that Megatron's ``window_size=(left, 0)`` and
+    ``window_attn_skip_freq`` make a window layer (``is_layer_window_attention``, as in
+    ``DotProductAttention``) attends over ``left + 1`` keys (``sliding_window``; None for
+    full layers), exchanging only the halo; other window shapes are refused.
     """
 
     def __init__(
@@ -71,9 +76,9 @@ class RingSPCoreAttention(MegatronModule):
         v_channels: Optional[int] = None,
     ) -> None:
         super().__init__(config=config)
-        # No per-layer state; cp_comm_type picks TransformerEngine's CP algorithm; the head
-        # sizes MLA passes are read from the tensors.
-        del layer_number, cp_comm_type, k_channels, v_channels
+        # cp_comm_type picks TransformerEngine's CP algorithm; the head sizes MLA passes are
+        # read from the tensors.
+        del cp_comm_type, k_channels, v_channels
         ring_sp_config = ring_sp_config if ring_sp_config is not None else _default_config()
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
@@ -98,6 +103,9 @@ class RingSPCoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.tp_group = pg_collection.tp
         self._init_softmax_offset(config, config.num_attention_heads // pg_collection.tp.size())
+        # this layer's window (Gemma 3 / gpt-oss style configs alternate window and full layers)
+        self.sliding_window = (sliding_window_from_megatron(config.window_size) if is_layer_window_attention(
+            config.window_size, config.window_attn_skip_freq, layer_number) else None)
         self.ring_sp_config = ring_sp_config
         self.topology = topology
         # None means 1/sqrt(head_dim), as in DotProductAttention. Its
@@ -117,8 +125,7 @@ class RingSPCoreAttention(MegatronModule):
             raise ValueError(f"attention_type={attention_type!r}: ring_sp supports self-attention only")
         if config.softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise ValueError(f"softmax_type={config.softmax_type!r} is not one of 'vanilla', 'off-by-one', 'learnable'")
-        if config.window_size is not None:
-            raise ValueError(f"window_size={config.window_size} (sliding-window attention) is not supported by ring_sp")
+        sliding_window_from_megatron(config.window_size)  # refuses windows that look ahead
 
     def _init_softmax_offset(self, config: TransformerConfig, heads: int) -> None:
         """``softmax_offset`` ``[heads]`` as megatron-core's DotProductAttention makes it: None
@@ -170,6 +177,11 @@ class RingSPCoreAttention(MegatronModule):
         """
         causal = self._causal(self.attn_mask_type if attn_mask_type is None else attn_mask_type, attention_mask,
                               packed=packed_seq_params is not None)
+        if self.sliding_window is not None and not causal:
+            raise ValueError(
+                f"window_size={self.config.window_size} (sliding window {self.sliding_window}) needs a causal "
+                f"attn_mask_type; got {(self.attn_mask_type if attn_mask_type is None else attn_mask_type).name}"
+            )
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by ring_sp attention")
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
@@ -190,7 +202,7 @@ class RingSPCoreAttention(MegatronModule):
             layout = unpacked_layout(layout)
         out = hybrid_attention(q, k, v, topology=self.topology, causal=causal, layout=layout,
                                softmax_scale=self.softmax_scale, backend=self.ring_sp_config.backend,
-                               cu_seqlens=cu_seqlens, sinks=self.softmax_offset)
+                               cu_seqlens=cu_seqlens, sinks=self.softmax_offset, sliding_window=self.sliding_window)
         return out.reshape(q.shape[1], -1) if thd else out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     @staticmethod
@@ -208,5 +220,6 @@ class RingSPCoreAttention(MegatronModule):
 
     def extra_repr(self) -> str:
         t = self.topology
+        window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
         return (f"ulysses={t.ulysses_size}, ring={t.ring_size}, layout={self.ring_sp_config.layout!r}, "
-                f"backend={self.ring_sp_config.backend!r}")
+                f"backend={self.ring_sp_config.backend!r}{window}")

@@ -16,6 +16,12 @@ Conventions (shared by every backend, so the ring loop never branches on the bac
 * ``causal=True`` is only defined for square blocks (``seq_q == seq_k``); the ring only
   issues square masked blocks, so top-left and bottom-right alignment coincide and the
   kernels' different conventions cannot leak into results.
+* ``window`` (sliding windows; square blocks only): query ``a`` sees key ``c`` only if
+  ``c > a - window`` (and ``c <= a`` when causal). Kernels with ``supports_window`` take any
+  window; the fused torch ops have no window argument and take only the edge block
+  ``causal=False, window=1`` (``c >= a``), which they run as their causal mask on both
+  sequences reversed (exact; O(block) copies, no mask tensor). The schedule cuts every
+  other band into full, causal and edge blocks for them.
 * ``backward`` receives the GLOBAL ``out`` and ``lse`` (after every block was merged),
   which is what makes the per-block gradients sum to the exact gradient.
 * Partial results (``out``, ``dq``, ``dk``, ``dv``) come back in the inputs' dtype, or in
@@ -36,9 +42,11 @@ class AttentionKernel(Protocol):
     """One local attention backend (see the module docstring for the contract)."""
 
     name: str
+    supports_window: bool  # takes any square ``window`` block (else only the edge block)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[b, sq, h, d]``, k ``[b, sk, h_kv, d]``, v ``[b, sk, h_kv, d_v]`` -> out
         ``[b, sq, h, d_v]`` (q's dtype or float32) and lse ``[b, h, sq]`` (float32, float64
@@ -56,6 +64,7 @@ class AttentionKernel(Protocol):
         *,
         causal: bool,
         scale: float,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of this block given the global ``out`` ``[b, sq, h, d_v]`` and
         ``lse`` ``[b, h, sq]``: dq ``[b, sq, h, d]``, dk ``[b, sk, h_kv, d]``, dv ``[b, sk, h_kv, d_v]``."""
@@ -67,7 +76,8 @@ def softmax_stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def check_block_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+def check_block_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       window: int | None = None) -> None:
     """Shape contract shared by every backend; raises ``ValueError`` naming the argument."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
@@ -89,6 +99,8 @@ def check_block_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
             f"causal=True needs a square block (seq_q == seq_k) so that the mask alignment "
             f"cannot differ between kernels; got seq_q={q.shape[1]}, seq_k={k.shape[1]}"
         )
+    if window is not None and q.shape[1] != k.shape[1]:
+        raise ValueError(f"window={window} needs a square block (seq_q == seq_k); got seq_q={q.shape[1]}, seq_k={k.shape[1]}")
 
 
 def empty_block_result(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,16 +117,24 @@ class FusedKernel(abc.ABC):
     Subclasses implement ``_forward`` and ``_backward`` on non-empty blocks."""
 
     name: str
+    supports_window = False
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[b, sq, h, d]``, k ``[b, sk, h_kv, d]``, v ``[b, sk, h_kv, d_v]`` -> out ``[b, sq, h, d_v]``,
         lse ``[b, h, sq]``."""
-        check_block_shapes(q, k, v, causal)
+        check_block_shapes(q, k, v, causal, window)
         if q.shape[1] == 0 or k.shape[1] == 0:
             return empty_block_result(q, v)
-        return self._forward(q, k, v, causal, scale)
+        if window is None:
+            return self._forward(q, k, v, causal, scale)
+        if self.supports_window:
+            return self._forward(q, k, v, causal, scale, window=window)
+        self._check_edge(causal, window)
+        out, lse = self._forward(*_reversed(q, k, v), True, scale)  # c >= a is c' <= a' on reversed sequences
+        return out.flip(1), lse.flip(-1)
 
     def backward(
         self,
@@ -127,13 +147,28 @@ class FusedKernel(abc.ABC):
         *,
         causal: bool,
         scale: float,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients given the GLOBAL out ``[b, sq, h, d_v]`` and lse ``[b, h, sq]``:
         dq ``[b, sq, h, d]``, dk ``[b, sk, h_kv, d]``, dv ``[b, sk, h_kv, d_v]``."""
         if q.shape[1] == 0 or k.shape[1] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        # the fused kernels index lse as a dense [b, h, sq] buffer (a strided view is wrong)
-        return self._backward(dout, q, k, v, out, lse.contiguous(), causal, scale)
+        if window is None:
+            # the fused kernels index lse as a dense [b, h, sq] buffer (a strided view is wrong)
+            return self._backward(dout, q, k, v, out, lse.contiguous(), causal, scale)
+        if self.supports_window:
+            return self._backward(dout, q, k, v, out, lse.contiguous(), causal, scale, window=window)
+        self._check_edge(causal, window)
+        grads = self._backward(*_reversed(dout, q, k, v, out), lse.flip(-1), True, scale)
+        return tuple(g.flip(1) for g in grads)  # type: ignore[return-value]
+
+    def _check_edge(self, causal: bool, window: int) -> None:
+        if causal or window != 1:
+            raise ValueError(
+                f"backend {self.name!r} has no window argument: it takes only the edge block (causal=False, "
+                f"window=1); got causal={causal}, window={window}. The ring schedule cuts bands for it "
+                f"(step_tasks(..., native_window=False))"
+            )
 
     @abc.abstractmethod
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -144,3 +179,8 @@ class FusedKernel(abc.ABC):
     def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The op's backward on a non-empty block, ``lse`` contiguous."""
+
+
+def _reversed(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each ``[b, s, ...]`` tensor with its sequence reversed (a copy)."""
+    return tuple(t.flip(1) for t in tensors)

@@ -97,21 +97,41 @@ _FIXED = dict(
 )
 
 
+def _params(fn: Callable[..., Any]) -> Any:
+    # torch.library.custom_op (FA2 >= 2.7 on torch >= 2.4, newest FA3) keeps the Python function in _init_fn
+    return inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+
+
 def _call(fn: Callable[..., Any], values: dict[str, Any]) -> Any:
     """Call a flash-attn entry point by parameter name. Names in ``values`` get that value;
     other parameters keep their default, or get None if they have none (FA3's optional inputs)."""
-    # torch.library.custom_op (FA2 >= 2.7 on torch >= 2.4, newest FA3) keeps the Python function in _init_fn
-    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    params = _params(fn)
     return fn(**{name: values.get(name) for name, p in params.items() if name in values or p.default is p.empty})
 
 
+def _has_window(fa: ModuleType) -> bool:
+    """Whether this release takes a sliding window (FA2 >= 2.3 and FA3, forward and backward)."""
+    return all({"window_size", "window_size_left"} & set(_params(fn)) for fn in (fa._flash_attn_forward, fa._flash_attn_backward))
+
+
+def _window_values(causal: bool, window: int | None) -> dict[str, Any]:
+    """flash-attn's window arguments for a square block: key c visible iff a - left <= c <= a + right
+    (bottom-right aligned, = top-left on a square), -1 = unbounded. Ours: c > a - window, c <= a if causal."""
+    if window is None:
+        return {}
+    left, right = window - 1, 0 if causal else -1
+    return dict(window_size=(left, right), window_size_left=left, window_size_right=right)
+
+
 def _forward(
-    fa: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    fa: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[b, sq, h, d]``, lse ``[b, h, sq]``) from any supported flash-attn release."""
     res = _call(
         fa._flash_attn_forward,
-        dict(_FIXED, q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False),
+        dict(_FIXED, q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False,
+             **_window_values(causal, window)),
     )
     return res[0], res[5] if len(res) == 8 else res[1]  # 8 items: FA2 < 2.7 (see the module docstring)
 
@@ -126,6 +146,7 @@ def _backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq/dk/dv from any supported flash-attn release (every one writes into buffers we pass)."""
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
@@ -134,7 +155,7 @@ def _backward(
         dict(
             _FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
             softmax_scale=scale, causal=causal, is_causal=causal,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
+            deterministic=torch.are_deterministic_algorithms_enabled(), **_window_values(causal, window),
         ),
     )
     return dq, dk, dv
@@ -145,10 +166,16 @@ class FlashAttnKernel(FusedKernel):
 
     name = "flash_attn"
 
+    @property
+    def supports_window(self) -> bool:  # type: ignore[override]
+        """FA2 >= 2.3 and FA3 take ``window_size``; older releases get the schedule's cut blocks."""
+        return _has_window(_module())
+
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(_module(), q, k, v, causal, scale)
+                 scale: float, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(_module(), q, k, v, causal, scale, window)
 
     def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward(_module(), dout, q, k, v, out, lse, causal, scale)
+                  lse: torch.Tensor, causal: bool, scale: float,
+                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(_module(), dout, q, k, v, out, lse, causal, scale, window)

@@ -36,9 +36,20 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor |
     return s
 
 
-def _visible(causal: bool, mask: torch.Tensor | None, sq: int, sk: int, device: torch.device) -> torch.Tensor | None:
-    if causal and mask is not None:
-        raise ValueError("pass either causal=True or an explicit mask, not both")
+def window_mask(seq: int, causal: bool, window: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Square ``[seq, seq]`` mask of a ``window`` block (True = visible): key c > query a - window,
+    and c <= a when ``causal`` (see :mod:`ring_sp.kernels.base`)."""
+    offset = torch.arange(seq, device=device).unsqueeze(0) - torch.arange(seq, device=device).unsqueeze(1)  # c - a
+    visible = offset > -window
+    return visible & (offset <= 0) if causal else visible
+
+
+def _visible(causal: bool, mask: torch.Tensor | None, sq: int, sk: int, device: torch.device,
+             window: int | None = None) -> torch.Tensor | None:
+    if (causal or window is not None) and mask is not None:
+        raise ValueError("pass either causal=True / window or an explicit mask, not both")
+    if window is not None:
+        return window_mask(sq, causal, window, device)
     return causal_mask(sq, sk, device) if causal else mask
 
 
@@ -47,6 +58,7 @@ class ReferenceKernel:
     ``[b, h, sq, sk]``, True where a key is visible."""
 
     name = "reference"
+    supports_window = True  # any window, by its explicit mask
 
     def forward(
         self,
@@ -57,13 +69,14 @@ class ReferenceKernel:
         causal: bool,
         scale: float,
         mask: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if mask is None:
-            check_block_shapes(q, k, v, causal)
+            check_block_shapes(q, k, v, causal, window)
         compute = softmax_stat_dtype(q.dtype)
         h = q.shape[2]
         qc, kc, vc = q.to(compute), _expand_kv_heads(k.to(compute), h), _expand_kv_heads(v.to(compute), h)
-        s = _scores(qc, kc, scale, _visible(causal, mask, q.shape[1], k.shape[1], q.device))
+        s = _scores(qc, kc, scale, _visible(causal, mask, q.shape[1], k.shape[1], q.device, window))
         lse = torch.logsumexp(s, dim=-1)  # [b, h, sq]; -inf for rows with no visible key
         p = torch.exp(s - _finite_or_zero(lse).unsqueeze(-1))
         out = torch.einsum("bhqk,bkhd->bqhd", p, vc)
@@ -81,12 +94,13 @@ class ReferenceKernel:
         causal: bool,
         scale: float,
         mask: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         compute = softmax_stat_dtype(q.dtype)
         h, h_kv = q.shape[2], k.shape[2]
         qc, kc, vc = q.to(compute), _expand_kv_heads(k.to(compute), h), _expand_kv_heads(v.to(compute), h)
         do, oc = dout.to(compute), out.to(compute)
-        s = _scores(qc, kc, scale, _visible(causal, mask, q.shape[1], k.shape[1], q.device))
+        s = _scores(qc, kc, scale, _visible(causal, mask, q.shape[1], k.shape[1], q.device, window))
         p = torch.exp(s - _finite_or_zero(lse.to(compute)).unsqueeze(-1))  # global softmax rows
         dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
         dp = torch.einsum("bqhd,bkhd->bhqk", do, vc)

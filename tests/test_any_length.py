@@ -311,6 +311,7 @@ class _Case:
     """What ``dist_cases._single_device`` reads of a case."""
 
     backend = "auto"
+    window = None
 
     def __init__(self, causal: bool) -> None:
         self.causal = causal

@@ -44,6 +44,7 @@ import ring_sp  # noqa: E402
 import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 from examples.common.data import (VOCAB_SIZE, PackedDocuments, TokenWindows, corpus_documents,  # noqa: E402
                                   corpus_tokens, split_corpus)
+from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("ds_config.json")
@@ -240,21 +241,6 @@ def endless_batches(loader: torch.utils.data.DataLoader, skip: int) -> Iterator[
         if epoch == skip // len(loader):
             batches = itertools.islice(batches, skip % len(loader), None)
         yield from batches
-
-
-def skip_cpu_inference_comm_build() -> None:
-    """Keep DeepSpeed's CPU backend from JIT-compiling its shared-memory all-reduce.
-
-    That op serves only ``inference_all_reduce`` (training collectives go through gloo), yet
-    DeepSpeed builds it with g++ when the backend starts: about a minute on a small machine,
-    and an error without a compiler. Marking it unavailable is what DeepSpeed does itself
-    on platforms that cannot build it.
-    """
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:

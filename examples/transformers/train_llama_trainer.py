@@ -1,0 +1,157 @@
+"""Train a small Llama (GQA) with the Hugging Face ``Trainer``, DeepSpeed and ring_sp.
+
+A plain Trainer script plus the three ring_sp lines (marked ``# ring_sp``): the DeepSpeed
+config ``trainer_ds_config.json`` holds the ``"ring_sp"`` section (U2 x R2 by default),
+``prepare_sequence_parallel`` builds the groups and registers ``attn_implementation="ring_sp"``,
+and ``SequenceParallelTrainer`` replaces ``Trainer``. The model is built from a config (no
+download): Llama architecture, 4 query / 2 KV heads, byte vocabulary; the data are Python's
+stdlib docstrings as bytes. Run it with the launcher::
+
+    examples/transformers/train_llama_trainer.sh --cpu                 # 4 CPU ranks, U2 x R2
+    examples/transformers/train_llama_trainer.sh --bf16 --ring-size 4  # every GPU of this machine
+
+``--no-ring-sp`` trains the same model with ``attn_implementation="sdpa"`` and the same
+global batch without sequence parallelism (run it on one rank: ``NUM_RANKS=1``), the
+reference the ring_sp loss curve matches. Prints a tqdm bar (loss, tokens/s) on stderr
+and, with ``--log-json``, one ``{"step", "loss", "tokens_per_s"}`` per step on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ProgressCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for examples.common
+
+import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
+from examples.common.data import VOCAB_SIZE, TokenWindows, corpus_tokens, split_corpus  # noqa: E402
+from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build  # noqa: E402
+from examples.common.progress import Progress  # noqa: E402
+from ring_sp.integrations.transformers.trainer import (SequenceParallelTrainer,  # noqa: E402  # ring_sp
+                                                       prepare_sequence_parallel)
+
+DEFAULT_CONFIG = Path(__file__).resolve().with_name("trainer_ds_config.json")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--deepspeed", default=str(DEFAULT_CONFIG), help="DeepSpeed JSON config with a ring_sp section")
+    p.add_argument("--ulysses-size", type=int, help="override ring_sp.ulysses_size of the config")
+    p.add_argument("--ring-size", type=int, help="override ring_sp.ring_size of the config")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
+    p.add_argument("--no-ring-sp", action="store_true",
+                   help='reference run: disable the ring_sp section, attn_implementation="sdpa" (use one rank)')
+    p.add_argument("--micro-batch", type=int, default=4, help="samples per SP group per micro-step")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim (the tests use sgd)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-bytes", type=int, default=1_000_000)
+    p.add_argument("--bf16", action="store_true", help="train in bf16 (GPUs)")
+    p.add_argument("--output-dir", default="trainer_output", help="Trainer output_dir (checkpoints only with --save)")
+    p.add_argument("--save", action="store_true", help="save_model() into --output-dir at the end (loads in plain transformers)")
+    p.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
+    return p.parse_args(argv)
+
+
+def ds_config_from_args(args: argparse.Namespace) -> dict:
+    """The JSON config with the command line's overrides applied."""
+    config = rsp_ds.load_config(args.deepspeed)
+    section = config.setdefault(rsp_ds.SECTION, {})
+    for key in ("ulysses_size", "ring_size"):
+        if getattr(args, key) is not None:
+            section[key] = getattr(args, key)
+    if args.no_ring_sp:
+        section["enabled"] = False
+    if args.zero_stage is not None:
+        config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    return config
+
+
+class TrainingDataset(torch.utils.data.Dataset):
+    """Windows of the byte stream as Trainer samples: ``{"input_ids", "labels"}`` (labels unshifted, HF style)."""
+
+    def __init__(self, windows: TokenWindows) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens = self.windows[index]
+        return {"input_ids": tokens, "labels": tokens}
+
+
+class JsonProgress(TrainerCallback):
+    """Replaces the Trainer's own bar: examples.common's tqdm bar and JSON lines, once per optimizer step."""
+
+    def __init__(self, total_steps: int, tokens_per_step: int, *, log_json: bool) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.progress = Progress(total_steps, log_json=log_json, enabled=dist.get_rank() == 0)
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:  # noqa: ANN001 (Trainer's signature)
+        if logs and "loss" in logs:
+            self.progress.step(state.global_step, float(logs["loss"]), self.tokens_per_step)
+
+
+def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
+    """Everything up to ``trainer.train()`` (the tests call this on their own ranks)."""
+    args = parse_args(argv)
+    skip_cpu_inference_comm_build()
+    # DeepSpeed's ZeRO still calls the all-gather torch 2.13 deprecated: one warning per rank, not ours to fix
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
+    training_args = TrainingArguments(
+        output_dir=args.output_dir, deepspeed=ds_config_from_args(args), per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
+        warmup_steps=args.warmup, lr_scheduler_type="cosine", optim=args.optim, weight_decay=0.1, adam_beta2=0.95,
+        max_grad_norm=args.max_grad_norm, bf16=args.bf16, seed=args.seed, data_seed=args.seed, logging_steps=1,
+        save_strategy="no", report_to="none", dataloader_drop_last=True,
+    )
+    topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.seq_len, tie_word_embeddings=True,
+    )
+    attention = "sdpa" if topology is None else "ring_sp"  # ring_sp
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
+    dataset = TrainingDataset(TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len))
+    trainer = SequenceParallelTrainer(model=model, args=training_args, train_dataset=dataset)  # ring_sp: was Trainer
+    dp_size = dist.get_world_size() if topology is None else topology.dp_size
+    samples_per_step = args.micro_batch * args.grad_accum * dp_size
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(JsonProgress(args.steps, samples_per_step * args.seq_len, log_json=args.log_json))
+    if dist.get_rank() == 0:
+        grid = "1 (sdpa)" if topology is None else f"{topology.ulysses_size}x{topology.ring_size} (ulysses x ring)"
+        print(f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {samples_per_step} x "
+              f"{args.seq_len} tokens per step; world {dist.get_world_size()} = DP {dp_size} x SP {grid}", file=sys.stderr)
+    trainer.ring_sp_example_args = args
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    trainer = build_trainer(argv)
+    trainer.train()
+    if trainer.ring_sp_example_args.save:
+        trainer.save_model()
+
+
+if __name__ == "__main__":
+    main()

@@ -83,6 +83,8 @@ def _pad_for_document_zigzag(batch: dict[str, torch.Tensor], boundaries: Boundar
     The ONE place that pads (at each document's end; labels get the ignore index, so padding
     never enters the loss): delete it once ring_sp's layouts accept any document length.
     """
+    if sp_size == 1:
+        return batch, boundaries  # one rank holds every document whole
     return pad_documents(batch, boundaries, 2 * sp_size, pad_id=pad_id)
 
 

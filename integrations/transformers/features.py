@@ -31,7 +31,7 @@ def model_name(config: Any, module: torch.nn.Module | None = None) -> str:
     """``'LlamaForCausalLM (model_type llama)'`` plus the attention module and layer, for errors."""
     architectures = getattr(config, "architectures", None) or []
     model_type = getattr(config, "model_type", None) or "unknown"
-    name = f"{architectures[0]} (model_type {model_type!r})" if architectures else f"the {model_type!r} model"
+    name = f"{architectures[0]} (model_type {model_type!r})" if architectures else f"the model of model_type {model_type!r}"
     if module is not None:
         layer = getattr(module, "layer_idx", None)
         name += f", {type(module).__name__}" + (f" of layer {layer}" if layer is not None else "")

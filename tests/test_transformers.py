@@ -584,3 +584,36 @@ def test_example_sp_2x2_matches_one_rank_sdpa(packed: bool) -> None:
     assert [r["step"] for r in sp] == [r["step"] for r in one] == [1, 2, 3]
     for a, b in zip(sp, one):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (sp, one)
+
+
+# ---------------------------------------------------------------- the figures of the issue note
+
+def _report() -> None:
+    """``python tests/test_transformers.py``: max errors per configuration as a markdown table (not a test)."""
+    from harness import PoolManager
+
+    rows = [("llama", u, r, p, "fp32", 4) for u, r in GRID4 for p in (False, True)]
+    rows += [("qwen3", 2, 2, False, "fp32", 4), ("qwen3", 1, 4, True, "fp32", 4), ("mistral", 4, 1, False, "fp32", 4),
+             ("mistral", 2, 2, True, "fp32", 4), ("llama", 2, 4, False, "fp32", 8), ("llama", 2, 4, True, "fp32", 8),
+             ("llama", 2, 2, False, "bf16", 4), ("llama", 2, 2, True, "bf16", 4)]
+    pools = PoolManager(max_alive=1)
+    print("| model | U x R | batch | dtype | logits err / max(1, max abs logit) | max param grad err / its max | loss err |")
+    print("|---|---|---|---|---|---|---|")
+    try:
+        for arch, u, r, packed, dtype, world in rows:
+            results = pools.get(world).run(equivalence_case, arch, u, r, packed, dtype, "from_config",
+                                           1 if world == 8 else 2, timeout=300)
+            if dtype == "bf16":
+                worst = {k: max(res["sp"][k] for res in results) for k in ("logits", "grads", "loss")}
+                one = {k: max(res["one_rank"][k] for res in results) for k in ("logits", "grads", "loss")}
+                cells = [f"{worst[k]:.2e} (1 rank bf16: {one[k]:.2e})" for k in ("logits", "grads", "loss")]
+            else:
+                cells = [f"{max(res[k] for res in results):.2e}" for k in ("logits", "grads", "loss")]
+            print(f"| {arch} | {u}x{r} | {'packed' if packed else 'unpacked'} | {dtype} | " + " | ".join(cells) + " |",
+                  flush=True)
+    finally:
+        pools.close()
+
+
+if __name__ == "__main__":
+    _report()

@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,8 +249,8 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return min(1.0, (step + 1) / max(1, warmup)) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def start_rank(args: argparse.Namespace) -> None:
+    """What every rank of a DeepSpeed example does first (also used by examples/transformers)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -263,6 +263,35 @@ def main(argv: list[str] | None = None) -> None:
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.manual_seed(args.seed)
 
+
+def training_dataset(args: argparse.Namespace) -> torch.utils.data.Dataset:
+    """Windows of the text stream, or (``--pack-documents``) whole documents packed per row."""
+    if args.pack_documents:
+        documents = corpus_documents(args.corpus_bytes)
+        return PackedDocuments(documents[: int(len(documents) * 0.95)], args.seq_len)  # the rest held out
+    return TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len)
+
+
+def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], loss_of: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+               dp_group: dist.ProcessGroup | None) -> float:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the loss averaged over the DP replicas."""
+    accum = engine.gradient_accumulation_steps()
+    total = torch.zeros((), device=engine.device)
+    for _ in range(accum):
+        loss = loss_of({k: v.to(engine.device) for k, v in next(batches).items()})
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    dist.all_reduce(total, group=dp_group)  # equal on the SP ranks of a replica: average the replicas
+    return total.item() / (accum * dist.get_world_size(dp_group))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    start_rank(args)
     ds_config = ds_config_from_args(args)
     sp_config = rsp_ds.RingSPConfig.from_ds_config(ds_config)  # None only with "enabled": false
     topology = rsp_ds.build_topology(ds_config)  # before the model: its attention needs the groups
@@ -287,11 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     dp_size = dist.get_world_size(dp_group)
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     samples_per_step = micro * accum * dp_size
-    if args.pack_documents:
-        documents = corpus_documents(args.corpus_bytes)
-        dataset = PackedDocuments(documents[: int(len(documents) * 0.95)], args.seq_len)  # the rest held out
-    else:
-        dataset = TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len)
+    dataset = training_dataset(args)
     loader = rsp_ds.sequence_parallel_dataloader(
         dataset, topology, batch_size=micro, layout=layout, seed=args.seed, pack=args.pack_documents
     )
@@ -303,17 +328,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{engine.zero_optimization_stage()}, layout {layout}{', packed documents' if args.pack_documents else ''}",
               file=sys.stderr)
     progress = Progress(args.steps, log_json=args.log_json, enabled=dist.get_rank() == 0, start_step=start_step)
+    def loss_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return loss_fn(engine(batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens")), batch["labels"], engine)
+
     for step in range(start_step + 1, args.steps + 1):
-        total = torch.zeros((), device=engine.device)
-        for _ in range(accum):
-            batch = {k: v.to(engine.device) for k, v in next(batches).items()}
-            logits = engine(batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens"))
-            loss = loss_fn(logits, batch["labels"], engine)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total, group=dp_group)  # equal on the SP ranks of a replica: average the replicas
-        progress.step(step, total.item() / (accum * dp_size), tokens=samples_per_step * args.seq_len)
+        progress.step(step, train_step(engine, batches, loss_of, dp_group), tokens=samples_per_step * args.seq_len)
         if args.save and (step == args.steps or (args.save_interval and step % args.save_interval == 0)):
             engine.save_checkpoint(args.save, client_state={"step": step})
 

@@ -24,9 +24,7 @@ transformers loads (the attention has no parameters).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -39,11 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 import ring_sp  # noqa: E402
 import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 import ring_sp.integrations.transformers as rsp_hf  # noqa: E402
-from examples.common.data import (VOCAB_SIZE, PackedDocuments, TokenWindows, corpus_documents,  # noqa: E402
-                                  corpus_tokens, split_corpus)
-from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build  # noqa: E402
+from examples.common.data import VOCAB_SIZE  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
-from examples.deepspeed.pretrain_gpt import DEFAULT_CONFIG, ds_config_from_args, endless_batches, lr_factor  # noqa: E402
+from examples.deepspeed.pretrain_gpt import (DEFAULT_CONFIG, ds_config_from_args, endless_batches,  # noqa: E402
+                                             lr_factor, start_rank, train_step, training_dataset)
 
 
 class HFBatches:
@@ -111,15 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    skip_cpu_inference_comm_build()
-    # DeepSpeed's ZeRO still calls the all-gather torch 2.13 deprecated: one warning per rank, not ours to fix
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
-    if args.log_json:  # stdout carries only the JSON lines
-        for handler in deepspeed.utils.logger.handlers:
-            handler.setStream(sys.stderr)
-    get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    torch.manual_seed(args.seed)
-
+    start_rank(args)
     ds_config = ds_config_from_args(args)
     if args.no_ring_sp:
         ds_config[rsp_ds.SECTION]["enabled"] = False
@@ -143,11 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     dp_size = dist.get_world_size(dp_group)
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     samples_per_step = micro * accum * dp_size
-    if args.pack_documents:
-        documents = corpus_documents(args.corpus_bytes)
-        dataset = PackedDocuments(documents[: int(len(documents) * 0.95)], args.seq_len)  # the rest held out
-    else:
-        dataset = TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len)
+    dataset = training_dataset(args)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=micro, sampler=rsp_ds.sequence_parallel_sampler(dataset, topology, seed=args.seed),
         collate_fn=HFBatches(topology, layout=layout, pack=args.pack_documents), drop_last=True,
@@ -159,17 +144,11 @@ def main(argv: list[str] | None = None) -> None:
               f"world {dist.get_world_size()} = DP {dp_size} x SP {grid}, ZeRO-{engine.zero_optimization_stage()}, "
               f"layout {layout}{', packed documents' if args.pack_documents else ''}", file=sys.stderr)
     progress = Progress(args.steps, log_json=args.log_json, enabled=dist.get_rank() == 0)
+    def loss_of(shard: dict[str, torch.Tensor]) -> torch.Tensor:
+        return rsp_hf.causal_lm_loss(engine(**shard).logits, shard["shift_labels"], engine=engine)  # ring_sp
+
     for step in range(1, args.steps + 1):
-        total = torch.zeros((), device=engine.device)
-        for _ in range(accum):
-            shard = {k: v.to(engine.device) for k, v in next(batches).items()}
-            logits = engine(**shard).logits
-            loss = rsp_hf.causal_lm_loss(logits, shard["shift_labels"], engine=engine)  # ring_sp: exact global mean
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total, group=dp_group)  # equal on the SP ranks of a replica: average the replicas
-        progress.step(step, total.item() / (accum * dp_size), tokens=samples_per_step * args.seq_len)
+        progress.step(step, train_step(engine, batches, loss_of, dp_group), tokens=samples_per_step * args.seq_len)
     if args.save_pretrained and dist.get_rank() == 0:
         engine.module.save_pretrained(args.save_pretrained)  # loads in plain transformers: no ring_sp parameters
 

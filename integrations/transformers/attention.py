@@ -49,15 +49,16 @@ class RingSPAttention:
 
     def __init__(self, registration: Registration) -> None:
         self.registration = registration
-        self._last_cu: tuple[torch.Tensor, int, Boundaries] | None = None  # every layer gets the same tensor
+        # every layer gets the same cu_seq_lens_q / _k tensors: convert each once per forward, not per layer
+        self._cu_cache: list[tuple[torch.Tensor, int, Boundaries]] = []
 
     def _boundaries(self, cu: torch.Tensor) -> Boundaries:
-        """``cu_seq_lens_q`` as a tuple, converted (one host sync) once per forward, not once per layer."""
-        last = self._last_cu
-        if last is not None and last[0] is cu and last[1] == cu._version:
-            return last[2]
+        """A ``cu_seq_lens_*`` tensor as a tuple (one host sync per new tensor)."""
+        for tensor, version, boundaries in self._cu_cache:
+            if tensor is cu and version == cu._version:
+                return boundaries
         boundaries = as_boundaries(cu)
-        self._last_cu = (cu, cu._version, boundaries)
+        self._cu_cache = [*self._cu_cache[-1:], (cu, cu._version, boundaries)]  # the last q and k tensors
         return boundaries
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -24,6 +24,7 @@ from ring_sp import LAYOUTS, SequenceParallelTopology, pad_documents
 from ring_sp import shard_batch as ring_sp_shard_batch
 from ring_sp.layouts import Boundaries, as_boundaries
 
+from .attention import registration
 from .features import layout_for
 
 _FLASH_LENGTHS = ("max_length_q", "max_length_k")  # DataCollatorWithFlattening's, recomputed by nobody here
@@ -111,6 +112,10 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
         raise TypeError(f"topology must be a ring_sp.SequenceParallelTopology or None; got {type(topology).__name__}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}; use the layout given to register()")
+    registered = registration()
+    if registered is not None and registered.topology is topology and registered.layout != layout:
+        raise ValueError(f"layout={layout!r} but register() was given layout={registered.layout!r} for this topology: "
+                         f"shard with the layout the attention assumes")
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise ValueError(f"batch must be a mapping with 'input_ids' [batch, seq]; got {_describe(batch)}")
     full = dict(batch)

@@ -15,7 +15,7 @@ given the same model and batch raises the same error before any communication.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -86,27 +86,28 @@ def check_mask_call(config: Any, attention_mask: torch.Tensor | None, q_length: 
         )
 
 
-def _cu_seqlens(kwargs: Mapping[str, Any], where: str) -> torch.Tensor | None:
+def _cu_seqlens(kwargs: Mapping[str, Any], where: str, boundaries: Callable[[torch.Tensor], Boundaries]) -> Boundaries | None:
+    """The global document boundaries of ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (equal: self-attention)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is None and cu_k is None:
         return None
-    if cu_q is None or cu_k is None or (cu_q is not cu_k and not torch.equal(cu_q.cpu(), cu_k.cpu())):
+    if cu_q is None or cu_k is None or (cu_q is not cu_k and boundaries(cu_q) != boundaries(cu_k)):
         raise ValueError(
             f"{where}: cu_seq_lens_q and cu_seq_lens_k must both be given and equal (the global document boundaries "
             f"of self-attention); make them with ring_sp.integrations.transformers.shard_batch"
         )
-    return cu_q
+    return boundaries(cu_q)
 
 
 def ring_sp_call_options(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                          attention_mask: torch.Tensor | None, kwargs: Mapping[str, Any], *, layout: str,
-                         backend: str, boundaries: Any = None) -> dict[str, Any]:
+                         backend: str, boundaries: Callable[[torch.Tensor], Boundaries] = as_boundaries) -> dict[str, Any]:
     """ring_sp keyword arguments for one HF attention call, or :class:`UnsupportedFeatureError`.
 
     ``query`` ``[b, h, n, d]`` and ``key`` ``[b, h_kv, n_kv, d]`` as transformers passes them;
     ``layout`` / ``backend``: the registered ones (``layout`` turns document-aware when
-    documents are given). ``boundaries``: a callable turning the ``cu_seq_lens_q`` tensor
-    into a tuple (the caller caches it across layers). Returns ``causal``, ``layout``,
+    documents are given). ``boundaries``: turns a ``cu_seq_lens_*`` tensor into a tuple (the
+    caller may cache it across layers). Returns ``causal``, ``layout``,
     ``softmax_scale``, ``backend``, ``cu_seqlens`` for :func:`ring_sp.hybrid_attention`.
     """
     config = getattr(module, "config", None)
@@ -150,8 +151,7 @@ def ring_sp_call_options(module: torch.nn.Module, query: torch.Tensor, key: torc
             raise _unsupported(where, f"an additive attention bias ({name})", "use a RoPE model without attention biases")
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
-    cu = _cu_seqlens(kwargs, where)
-    cu_seqlens: Boundaries | None = None if cu is None else (boundaries(cu) if boundaries else as_boundaries(cu))
+    cu_seqlens = _cu_seqlens(kwargs, where, boundaries)
     return dict(causal=bool(causal), layout=layout_for(layout, packed=cu_seqlens is not None),
                 softmax_scale=kwargs.get("scaling"), backend=backend, cu_seqlens=cu_seqlens)
 

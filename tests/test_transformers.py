@@ -445,6 +445,7 @@ def unsupported_features_case() -> dict[str, tuple[str, int]]:
         "dropout": (build("llama", attention_dropout=0.1), {}),
         "padding_mask": (build("llama"), {"attention_mask": mask}),
         "mask_4d": (build("llama"), {"attention_mask": torch.zeros(2, 1, n, n)}),
+        "local_positions": (build("llama"), {"position_ids": None}),  # forgot them: transformers numbers 0..n-1
         "kv_cache": (build("llama").eval(), {"input_ids": shard["input_ids"][:, :1], "position_ids": shard["position_ids"][:, :1],
                                             "past_key_values": cache, "shift_labels": None}),
     }
@@ -455,7 +456,7 @@ def unsupported_features_case() -> dict[str, tuple[str, int]]:
         with _CountCollectives() as counter:
             try:
                 model(**inputs)
-            except rsp_hf.UnsupportedFeatureError as exc:
+            except ValueError as exc:  # UnsupportedFeatureError is a ValueError
                 out[name] = (str(exc), counter.calls)
             else:
                 out[name] = ("no error", counter.calls)
@@ -468,6 +469,7 @@ _EXPECTED = {
     "dropout": r"model_type 'llama'\)?, LlamaAttention of layer 0 uses attention dropout 0.1 .*attention_dropout = 0.0",
     "padding_mask": r"model_type 'llama'\)? uses a padding attention_mask .*DataCollatorWithFlattening",
     "mask_4d": r"model_type 'llama'\)?, LlamaAttention of layer 0 uses a 4-D attention mask .*pass no attention_mask",
+    "local_positions": r"model_type 'llama'\)?: position_ids are 0..7, the shard's LOCAL positions.*pass the GLOBAL",
     "kv_cache": r"model_type 'llama'\)? uses a KV cache holding .* earlier tokens \(generation with past_key_values\)",
 }
 
@@ -480,7 +482,7 @@ def test_unsupported_features_raise_on_every_rank_before_any_collective(pools) -
         for name, pattern in _EXPECTED.items():
             message, calls = res[name]
             assert re.search(pattern, message), f"rank {rank}, {name}: {message}"
-            assert 'attn_implementation="ring_sp" does not support yet' in message
+            assert name == "local_positions" or 'attn_implementation="ring_sp" does not support yet' in message
             assert calls == 0, f"rank {rank}, {name}: {calls} collectives before the error"
 
 

@@ -27,7 +27,7 @@ from ring_sp import SequenceParallelTopology, hybrid_attention
 from ring_sp.layouts import Boundaries, as_boundaries, check_grid_layout
 from ring_sp.validation import check_options
 
-from .features import check_mask_call, check_model_config, ring_sp_call_options
+from .features import check_mask_call, check_model_config, check_positions, model_name, ring_sp_call_options
 
 ATTN_IMPLEMENTATION = "ring_sp"
 
@@ -51,6 +51,7 @@ class RingSPAttention:
         self.registration = registration
         # every layer gets the same cu_seq_lens_q / _k tensors: convert each once per forward, not per layer
         self._cu_cache: list[tuple[torch.Tensor, int, Boundaries]] = []
+        self._checked: tuple[torch.Tensor | None, int] = (None, -1)  # the position_ids last checked
 
     def _boundaries(self, cu: torch.Tensor) -> Boundaries:
         """A ``cu_seq_lens_*`` tensor as a tuple (one host sync per new tensor)."""
@@ -66,6 +67,10 @@ class RingSPAttention:
         reg = self.registration
         options = ring_sp_call_options(module, query, key, attention_mask, kwargs, layout=reg.layout,
                                        backend=reg.backend, boundaries=self._boundaries)
+        positions = kwargs.get("position_ids")
+        if positions is not None and not (positions is self._checked[0] and positions._version == self._checked[1]):
+            check_positions(positions, options["layout"], reg.topology.sp_size, model_name(getattr(module, "config", None)))
+            self._checked = (positions, positions._version)  # every layer gets the same tensor: once per forward
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [b, h, n, d] -> ring_sp [b, n, h, d]
         return hybrid_attention(q, k, v, topology=reg.topology, **options), None
 

@@ -156,6 +156,25 @@ def ring_sp_call_options(module: torch.nn.Module, query: torch.Tensor, key: torc
                 softmax_scale=kwargs.get("scaling"), backend=backend, cu_seqlens=cu_seqlens)
 
 
+def check_positions(position_ids: torch.Tensor | None, layout: str, sp_size: int, where: str) -> None:
+    """Catch the easy mistake of a shard without its GLOBAL ``position_ids``.
+
+    transformers then numbers the shard's tokens 0..n-1, and RoPE would silently use the
+    wrong positions. Under ``zigzag`` / ``document_zigzag`` over several ranks no rank's
+    shard has positions 0..n-1 (every rank holds two chunks of every document), so every
+    rank raises together. One host sync; the caller runs it once per forward.
+    """
+    if position_ids is None or sp_size == 1 or layout not in ("zigzag", "document_zigzag") or position_ids.shape[-1] < 2:
+        return
+    local = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    if bool((position_ids == local).all()):
+        raise ValueError(
+            f"{where}: position_ids are 0..{position_ids.shape[-1] - 1}, the shard's LOCAL positions, so RoPE would be "
+            f"wrong under layout={layout!r}; pass the GLOBAL positions: model(**shard) with shard = "
+            f"ring_sp.integrations.transformers.shard_batch(batch, topology) (it holds position_ids)"
+        )
+
+
 def layout_for(layout: str, *, packed: bool) -> str:
     """The layout a batch is sharded with: ``zigzag`` turns into ``document_zigzag`` for packed
     documents (and back for a batch without documents); the others stay."""
@@ -166,5 +185,5 @@ def layout_for(layout: str, *, packed: bool) -> str:
     return layout
 
 
-__all__ = ["UnsupportedFeatureError", "check_mask_call", "check_model_config", "layout_for", "model_name",
+__all__ = ["UnsupportedFeatureError", "check_mask_call", "check_model_config", "check_positions", "layout_for", "model_name",
            "ring_sp_call_options"]

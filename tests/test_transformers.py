@@ -559,7 +559,7 @@ def _run_example(*args: str, ranks: int = 4) -> list[dict[str, Any]]:
     return [json.loads(line) for line in proc.stdout.splitlines()]  # stdout carries only JSON lines
 
 
-_TINY = ["--seq-len", "64", "--hidden", "32", "--layers", "2", "--micro-batch", "2", "--lr", "1e-2", "--warmup", "2",
+_TINY = ["--seq-len", "64", "--d-model", "32", "--layers", "2", "--micro-batch", "2", "--lr", "1e-2", "--warmup", "2",
          "--corpus-bytes", "200000", "--steps", "3", "--pack-documents", "--log-json"]
 
 

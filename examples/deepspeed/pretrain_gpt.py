@@ -187,15 +187,15 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, engine: Any) -> torch.Te
     return rsp_ds.cross_entropy(logits, labels, engine)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of the DeepSpeed examples (also examples/transformers): config overrides, model, schedule, data."""
     p.add_argument("--deepspeed_config", "--deepspeed-config", default=str(DEFAULT_CONFIG), help="DeepSpeed JSON config")
     p.add_argument("--ulysses-size", type=int, help="override ring_sp.ulysses_size of the config")
     p.add_argument("--ring-size", type=int, help="override ring_sp.ring_size of the config")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
     p.add_argument("--layout", choices=list(ring_sp.LAYOUTS), help="override ring_sp.layout of the config")
     p.add_argument("--pack-documents", action="store_true",
-                   help="pack whole documents per row, attention inside each (use with --layout document_zigzag)")
+                   help="pack whole documents per row, attention inside each (this example: with --layout document_zigzag)")
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu (samples per SP group)")
     p.add_argument("--bf16", action="store_true", help="train in bf16 (GPUs)")
     p.add_argument("--steps", type=int, default=40)
@@ -208,11 +208,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay to 10%%")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-bytes", type=int, default=1_000_000)
+    p.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--save", metavar="DIR", help="save a DeepSpeed checkpoint here every --save-interval steps and at the end")
     p.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
     p.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR")
-    p.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
     return p.parse_args(argv)
 
 

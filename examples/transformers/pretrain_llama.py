@@ -39,8 +39,8 @@ import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 import ring_sp.integrations.transformers as rsp_hf  # noqa: E402
 from examples.common.data import VOCAB_SIZE  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
-from examples.deepspeed.pretrain_gpt import (DEFAULT_CONFIG, ds_config_from_args, endless_batches,  # noqa: E402
-                                             lr_factor, start_rank, train_step, training_dataset)
+from examples.deepspeed.pretrain_gpt import (common_args, ds_config_from_args, endless_batches, lr_factor,  # noqa: E402
+                                             start_rank, train_step, training_dataset)
 
 
 class HFBatches:
@@ -68,38 +68,18 @@ class HFBatches:
 def llama_config(args: argparse.Namespace) -> LlamaConfig:
     """A small Llama: GQA, RoPE, SwiGLU, RMSNorm, tied embeddings; no KV cache while training."""
     return LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+        vocab_size=VOCAB_SIZE, hidden_size=args.d_model, intermediate_size=4 * args.d_model,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=args.seq_len, tie_word_embeddings=True, use_cache=False,
     )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed_config", "--deepspeed-config", default=str(DEFAULT_CONFIG),
-                   help="DeepSpeed JSON config with a ring_sp section")
-    p.add_argument("--ulysses-size", type=int, help="override ring_sp.ulysses_size of the config")
-    p.add_argument("--ring-size", type=int, help="override ring_sp.ring_size of the config")
-    p.add_argument("--layout", choices=list(ring_sp.LAYOUTS), help="override ring_sp.layout of the config")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
+    """The GPT example's arguments (``--d-model`` is the hidden size), plus the reference run and a HF checkpoint."""
+    p = common_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--no-ring-sp", action="store_true",
                    help='reference run: disable the ring_sp section, attn_implementation="sdpa" (use one rank)')
-    p.add_argument("--pack-documents", action="store_true", help="whole documents per row (DataCollatorWithFlattening)")
-    p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu (samples per SP group)")
-    p.add_argument("--bf16", action="store_true", help="train in bf16 (GPUs)")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay to 10%%")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus-bytes", type=int, default=1_000_000)
     p.add_argument("--save-pretrained", metavar="DIR", help="save_pretrained() the model here at the end (ZeRO 0-2)")
-    p.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
     return p.parse_args(argv)
 
 

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not HAVE_STACK, reason="needs deepspeed, transfo
                                 "(pip install --no-build-isolation 'ring-sp[transformers]')")
 
 # tiny model; the run: 3 SGD steps of 2 micro-batches (gradient accumulation) of 64 tokens
-MODEL = ["--seq-len", "64", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--corpus-bytes", "100000"]
+MODEL = ["--seq-len", "64", "--d-model", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--corpus-bytes", "100000"]
 TINY = [*MODEL, "--steps", "3", "--grad-accum", "2", "--optim", "sgd", "--lr", "0.5", "--warmup", "0",
         "--max-grad-norm", "1.0"]
 
@@ -100,15 +100,20 @@ def _compare(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
         assert worst < 1e-5, worst
 
 
-@pytest.mark.parametrize("stage,grid,micro", [(1, ("2", "2"), 2), (3, ("1", "2"), 1)])
-def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tuple[str, str], micro: int) -> None:
-    """U2xR2 (ZeRO-1) and DP2 x R2 (ZeRO-3) on 4 ranks vs the plain Trainer with sdpa on 1 rank.
+@pytest.mark.parametrize("stage,grid,micro,pack", [(1, ("2", "2"), 2, False), (3, ("1", "2"), 1, False),
+                                                   (2, ("2", "2"), 2, True)])
+def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tuple[str, str], micro: int,
+                                    pack: bool) -> None:
+    """U2xR2 (ZeRO-1), DP2 x R2 (ZeRO-3) and packed documents at U2xR2 (ZeRO-2) on 4 ranks
+    vs the plain Trainer with sdpa on 1 rank.
 
-    ZeRO-1 sums gradients over the SP ranks and ZeRO-3 averages them (two loss scalings);
-    DP = 2 checks that the replicas split the samples and that the token count spans them.
+    ZeRO 1/2 sum gradients over the SP ranks and ZeRO-3 averages them (two loss scalings);
+    DP = 2 checks that the replicas split the samples and that the token count spans them;
+    packed: DataCollatorWithFlattening rows (documents of unequal length, so the SP ranks
+    hold unequal numbers of valid tokens) against sdpa's own packed-sequence masking.
     """
     _example()  # the rank functions import it by module name
-    common = [*TINY, "--zero-stage", str(stage)]
+    common = [*TINY, "--zero-stage", str(stage), *(["--pack-documents"] if pack else [])]
     sp = pools.get(4, env=DS_ENV).run(
         train_case, [*common, "--ulysses-size", grid[0], "--ring-size", grid[1], "--micro-batch", str(micro)],
         str(tmp_path / "sp"), timeout=300)

@@ -10,10 +10,13 @@ stdlib docstrings as bytes. Run it with the launcher::
     examples/transformers/train_llama_trainer.sh --cpu                 # 4 CPU ranks, U2 x R2
     examples/transformers/train_llama_trainer.sh --bf16 --ring-size 4  # every GPU of this machine
 
-``--no-ring-sp`` trains the same model with ``attn_implementation="sdpa"`` and the same
+``--pack-documents`` trains on whole documents, each micro-batch flattened into one row by
+``DataCollatorWithFlattening`` (position_ids restart per document: attention stays inside
+each document). ``--no-ring-sp`` trains the same model with ``attn_implementation="sdpa"`` and the same
 global batch without sequence parallelism (run it on one rank: ``NUM_RANKS=1``), the
 reference the ring_sp loss curve matches. Prints a tqdm bar (loss, tokens/s) on stderr
-and, with ``--log-json``, one ``{"step", "loss", "tokens_per_s"}`` per step on stdout.
+and, with ``--log-json``, one ``{"step", "loss", "tokens_per_s"}`` per step on stdout
+(tokens/s counts ``seq_len`` per sample: an upper bound with ``--pack-documents``).
 """
 
 from __future__ import annotations
@@ -25,15 +28,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig, TrainerCallback, TrainingArguments
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for examples.common
 
 import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
-from examples.common.data import VOCAB_SIZE, TokenWindows, corpus_tokens, split_corpus  # noqa: E402
+from examples.common.data import TokenWindows, corpus_documents, corpus_tokens, split_corpus  # noqa: E402
 from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
+from examples.transformers.pretrain_llama import llama_config  # noqa: E402  (the same small Llama)
 from ring_sp.integrations.transformers.trainer import (SequenceParallelTrainer,  # noqa: E402  # ring_sp
                                                        prepare_sequence_parallel)
 
@@ -48,11 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
     p.add_argument("--no-ring-sp", action="store_true",
                    help='reference run: disable the ring_sp section, attn_implementation="sdpa" (use one rank)')
-    p.add_argument("--micro-batch", type=int, default=4, help="samples per SP group per micro-step")
+    p.add_argument("--pack-documents", action="store_true",
+                   help="padding-free packing: each micro-batch's documents flattened into one row "
+                        "(DataCollatorWithFlattening, position_ids restarting per document)")
+    p.add_argument("--micro-batch", type=int, default=4, help="samples (documents with --pack-documents) per SP group "
+                                                               "per micro-step")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
@@ -98,6 +106,19 @@ class TrainingDataset(torch.utils.data.Dataset):
         return {"input_ids": tokens, "labels": tokens}
 
 
+class Documents(torch.utils.data.Dataset):
+    """The corpus's documents (cut to ``seq_len`` tokens) as Trainer samples ``{"input_ids": [...]}``."""
+
+    def __init__(self, documents: list[torch.Tensor], seq_len: int) -> None:
+        self.documents = [doc[:seq_len] for doc in documents]
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return {"input_ids": self.documents[index].tolist()}
+
+
 class JsonProgress(TrainerCallback):
     """Replaces the Trainer's own bar: examples.common's tqdm bar and JSON lines, once per optimizer step."""
 
@@ -125,23 +146,25 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
     )
     topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
     torch.manual_seed(args.seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.seq_len, tie_word_embeddings=True,
-    )
     attention = "sdpa" if topology is None else "ring_sp"  # ring_sp
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=torch.float32)
-    dataset = TrainingDataset(TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len))
-    trainer = SequenceParallelTrainer(model=model, args=training_args, train_dataset=dataset)  # ring_sp: was Trainer
+    model = AutoModelForCausalLM.from_config(llama_config(args), attn_implementation=attention, dtype=torch.float32)
+    if args.pack_documents:  # Hugging Face's padding-free packing; ring_sp turns it into document masking
+        dataset, collator = Documents(corpus_documents(args.corpus_bytes), args.seq_len), DataCollatorWithFlattening()
+    else:
+        dataset = TrainingDataset(TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len))
+        collator = None  # the Trainer's default_data_collator
+    trainer = SequenceParallelTrainer(model=model, args=training_args, train_dataset=dataset,  # ring_sp: was Trainer
+                                      data_collator=collator)
     dp_size = dist.get_world_size() if topology is None else topology.dp_size
     samples_per_step = args.micro_batch * args.grad_accum * dp_size
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(JsonProgress(args.steps, samples_per_step * args.seq_len, log_json=args.log_json))
     if dist.get_rank() == 0:
         grid = "1 (sdpa)" if topology is None else f"{topology.ulysses_size}x{topology.ring_size} (ulysses x ring)"
-        print(f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {samples_per_step} x "
-              f"{args.seq_len} tokens per step; world {dist.get_world_size()} = DP {dp_size} x SP {grid}", file=sys.stderr)
+        what = "documents of <= " if args.pack_documents else ""
+        print(f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {samples_per_step} "
+              f"{what}{args.seq_len} tokens per step; world {dist.get_world_size()} = DP {dp_size} x SP {grid}",
+              file=sys.stderr)
     trainer.ring_sp_example_args = args
     return trainer
 

@@ -37,6 +37,7 @@ import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 from examples.common.data import TokenWindows, corpus_documents, corpus_tokens, split_corpus  # noqa: E402
 from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
+from examples.deepspeed.pretrain_gpt import common_args, ds_config_from_args  # noqa: E402
 from examples.transformers.pretrain_llama import llama_config  # noqa: E402  (the same small Llama)
 from ring_sp.integrations.transformers.trainer import (SequenceParallelTrainer,  # noqa: E402  # ring_sp
                                                        prepare_sequence_parallel)
@@ -45,51 +46,17 @@ DEFAULT_CONFIG = Path(__file__).resolve().with_name("trainer_ds_config.json")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--deepspeed", default=str(DEFAULT_CONFIG), help="DeepSpeed JSON config with a ring_sp section")
-    p.add_argument("--ulysses-size", type=int, help="override ring_sp.ulysses_size of the config")
-    p.add_argument("--ring-size", type=int, help="override ring_sp.ring_size of the config")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
+    """The DeepSpeed examples' arguments (``--d-model`` is the hidden size) plus the Trainer's own."""
+    p = common_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    p.set_defaults(deepspeed_config=str(DEFAULT_CONFIG), micro_batch=4)
     p.add_argument("--no-ring-sp", action="store_true",
                    help='reference run: disable the ring_sp section, attn_implementation="sdpa" (use one rank)')
-    p.add_argument("--pack-documents", action="store_true",
-                   help="padding-free packing: each micro-batch's documents flattened into one row "
-                        "(DataCollatorWithFlattening, position_ids restarting per document)")
-    p.add_argument("--micro-batch", type=int, default=4, help="samples (documents with --pack-documents) per SP group "
-                                                               "per micro-step")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim (the tests use sgd)")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus-bytes", type=int, default=1_000_000)
-    p.add_argument("--bf16", action="store_true", help="train in bf16 (GPUs)")
-    p.add_argument("--output-dir", default="trainer_output", help="Trainer output_dir (checkpoints only with --save)")
+    p.add_argument("--output-dir", default="trainer_output", help="Trainer output_dir (written only with --save)")
     p.add_argument("--save", action="store_true", help="save_model() into --output-dir at the end (loads in plain transformers)")
-    p.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
     return p.parse_args(argv)
-
-
-def ds_config_from_args(args: argparse.Namespace) -> dict:
-    """The JSON config with the command line's overrides applied."""
-    config = rsp_ds.load_config(args.deepspeed)
-    section = config.setdefault(rsp_ds.SECTION, {})
-    for key in ("ulysses_size", "ring_size"):
-        if getattr(args, key) is not None:
-            section[key] = getattr(args, key)
-    if args.no_ring_sp:
-        section["enabled"] = False
-    if args.zero_stage is not None:
-        config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
-    return config
 
 
 class TrainingDataset(torch.utils.data.Dataset):
@@ -137,8 +104,11 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
     skip_cpu_inference_comm_build()
     # DeepSpeed's ZeRO still calls the all-gather torch 2.13 deprecated: one warning per rank, not ours to fix
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
+    ds_config = ds_config_from_args(args)
+    if args.no_ring_sp:
+        ds_config[rsp_ds.SECTION]["enabled"] = False
     training_args = TrainingArguments(
-        output_dir=args.output_dir, deepspeed=ds_config_from_args(args), per_device_train_batch_size=args.micro_batch,
+        output_dir=args.output_dir, deepspeed=ds_config, per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
         warmup_steps=args.warmup, lr_scheduler_type="cosine", optim=args.optim, weight_decay=0.1, adam_beta2=0.95,
         max_grad_norm=args.max_grad_norm, bf16=args.bf16, seed=args.seed, data_seed=args.seed, logging_steps=1,
@@ -157,14 +127,14 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
                                       data_collator=collator)
     dp_size = dist.get_world_size() if topology is None else topology.dp_size
     samples_per_step = args.micro_batch * args.grad_accum * dp_size
-    trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(JsonProgress(args.steps, samples_per_step * args.seq_len, log_json=args.log_json))
     if dist.get_rank() == 0:
         grid = "1 (sdpa)" if topology is None else f"{topology.ulysses_size}x{topology.ring_size} (ulysses x ring)"
-        what = "documents of <= " if args.pack_documents else ""
-        print(f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {samples_per_step} "
-              f"{what}{args.seq_len} tokens per step; world {dist.get_world_size()} = DP {dp_size} x SP {grid}",
+        what = "documents of <=" if args.pack_documents else "x"
+        print(f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {samples_per_step} {what} "
+              f"{args.seq_len} tokens per step; world {dist.get_world_size()} = DP {dp_size} x SP {grid}",
               file=sys.stderr)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(JsonProgress(args.steps, samples_per_step * args.seq_len, log_json=args.log_json))
     trainer.ring_sp_example_args = args
     return trainer
 

@@ -39,7 +39,7 @@ FP32_LOGITS, FP32_GRADS = 2e-4, 1e-4
 # ---------------------------------------------------------------- helpers run on the ranks
 
 def _config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any):
-    from transformers import LlamaConfig, MistralConfig, Qwen3Config
+    from transformers import GptOssConfig, LlamaConfig, MistralConfig, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=256,
@@ -50,6 +50,9 @@ def _config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any):
         config = Qwen3Config(**common, use_sliding_window=False)
     elif arch == "mistral":
         config = MistralConfig(**common, sliding_window=None)
+    elif arch == "gpt_oss":  # attention sinks; every layer full (its window is then unused)
+        config = GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=1, sliding_window=128,
+                              layer_types=["full_attention"] * 2)
     else:
         raise ValueError(arch)
     for key, value in overrides.items():
@@ -442,7 +445,9 @@ def unsupported_features_case() -> dict[str, tuple[str, int]]:
         "mistral_window": (build("mistral", sliding_window=16), {}),
         "qwen3_window_layers": (build("qwen3", use_sliding_window=True, sliding_window=16, max_window_layers=1,
                                       layer_types=["full_attention", "sliding_attention"]), {}),
+        "gpt_oss_sinks": (build("gpt_oss"), {}),
         "dropout": (build("llama", attention_dropout=0.1), {}),
+        "dropout_in_eval": (build("llama", attention_dropout=0.1).eval(), {}),  # transformers passes dropout=0.0: runs
         "padding_mask": (build("llama"), {"attention_mask": mask}),
         "mask_4d": (build("llama"), {"attention_mask": torch.zeros(2, 1, n, n)}),
         "local_positions": (build("llama"), {"position_ids": None}),  # forgot them: transformers numbers 0..n-1
@@ -466,6 +471,7 @@ def unsupported_features_case() -> dict[str, tuple[str, int]]:
 _EXPECTED = {
     "mistral_window": r"model_type 'mistral'\)? uses a sliding window of 16 tokens .*set config.sliding_window = None",
     "qwen3_window_layers": r"model_type 'qwen3'\)? uses attention layer types \['sliding_attention'\] .*full_attention",
+    "gpt_oss_sinks": r"model_type 'gpt_oss'\)?, GptOssAttention of layer 0 uses attention sinks .*s_aux",
     "dropout": r"model_type 'llama'\)?, LlamaAttention of layer 0 uses attention dropout 0.1 .*attention_dropout = 0.0",
     "padding_mask": r"model_type 'llama'\)? uses a padding attention_mask .*DataCollatorWithFlattening",
     "mask_4d": r"model_type 'llama'\)?, LlamaAttention of layer 0 uses a 4-D attention mask .*pass no attention_mask",
@@ -479,6 +485,7 @@ def test_unsupported_features_raise_on_every_rank_before_any_collective(pools) -
 
     results = pools.get(4).run(unsupported_features_case, timeout=300)
     for rank, res in enumerate(results):
+        assert res["dropout_in_eval"][0] == "no error", f"rank {rank}: {res['dropout_in_eval']}"
         for name, pattern in _EXPECTED.items():
             message, calls = res[name]
             assert re.search(pattern, message), f"rank {rank}, {name}: {message}"

@@ -1,6 +1,7 @@
 """The Hugging Face ``Trainer`` (transformers 5.18, accelerate 1.15) with DeepSpeed and ring_sp.
 
-A Trainer script whose DeepSpeed config has a ``"ring_sp"`` section changes by three lines::
+A Trainer script whose DeepSpeed config has a ``"ring_sp"`` section changes by an import and
+three lines (``prepare_sequence_parallel``, ``attn_implementation``, the Trainer class)::
 
     from ring_sp.integrations.transformers.trainer import SequenceParallelTrainer, prepare_sequence_parallel
 
@@ -237,8 +238,7 @@ class SequenceParallelTrainer(Trainer):
         if self.ring_sp_topology is None:
             return super().train(*args, **kwargs)
         with _ring_sp_engine():
-            output = super().train(*args, **kwargs)
-        return output
+            return super().train(*args, **kwargs)
 
     def _sp_unsupported(self, what: str) -> None:
         if self.ring_sp_topology is not None:

@@ -56,7 +56,20 @@ def _prepare_rank() -> None:
     groups.mpu = None  # DeepSpeed keeps the last engine's mpu process-wide; a fresh process has none
 
 
-def train_case(argv: list[str], output_dir: str) -> dict[str, Any]:
+def _step_counter() -> Any:
+    """A Trainer callback counting the optimizer steps this run itself takes (``.steps``)."""
+    from transformers import TrainerCallback
+
+    class StepCounter(TrainerCallback):
+        steps = 0
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.steps += 1
+
+    return StepCounter()
+
+
+def train_case(argv: list[str], output_dir: str, resume: str | None = None) -> dict[str, Any]:
     """Build the example's Trainer, train; per-step loss and grad norm, final full fp32 parameters."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
@@ -64,7 +77,9 @@ def train_case(argv: list[str], output_dir: str) -> dict[str, Any]:
     _prepare_rank()
     original = deepspeed.initialize
     trainer = _example().build_trainer([*argv, "--output-dir", output_dir])
-    trainer.train()
+    trained = _step_counter()
+    trainer.add_callback(trained)
+    trainer.train(resume_from_checkpoint=resume)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     params = {}
     for name, p in trainer.model_wrapped.module.named_parameters():
@@ -72,7 +87,7 @@ def train_case(argv: list[str], output_dir: str) -> dict[str, Any]:
         params[name] = (p if full is None else full).detach().clone()
     topology = trainer.ring_sp_topology
     return {
-        "steps": [entry["step"] for entry in logs], "loss": [entry["loss"] for entry in logs],
+        "steps": [entry["step"] for entry in logs], "loss": [entry["loss"] for entry in logs], "trained": trained.steps,
         "grad_norm": [entry["grad_norm"] for entry in logs], "params": params,
         "dp_size": None if topology is None else topology.dp_size,
         "zero_stage": trainer.model_wrapped.zero_optimization_stage(),
@@ -128,6 +143,22 @@ def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tup
 class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self):
         yield {"input_ids": torch.zeros(64, dtype=torch.long)}
+
+
+def test_trainer_checkpoint_resumes(pools, tmp_path: Path) -> None:
+    """U2xR2: a Trainer checkpoint at step 2 (DeepSpeed state, data position, RNG) resumed gives step 3 again."""
+    _example()
+    args = [*TINY, "--ulysses-size", "2", "--ring-size", "2", "--micro-batch", "2", "--save-steps", "2"]
+    pool = pools.get(4, env=DS_ENV)
+    continuous = pool.run(train_case, args, str(tmp_path), timeout=300)
+    resumed = pool.run(train_case, args, str(tmp_path / "again"), str(tmp_path / "checkpoint-2"), timeout=300)
+    for full, rest in zip(continuous, resumed):
+        # the resumed state's log holds steps 1-2 from the checkpoint; only step 3 is trained again
+        assert full["steps"] == rest["steps"] == [1, 2, 3], (full["steps"], rest["steps"])
+        assert (full["trained"], rest["trained"]) == (3, 1)
+        assert _rel(rest["loss"][2], full["loss"][2]) < 1e-6, (rest["loss"], full["loss"])
+        worst = max(((rest["params"][n] - w).norm() / w.norm()).item() for n, w in full["params"].items())
+        assert worst < 1e-6, worst
 
 
 def errors_case() -> dict[str, str]:

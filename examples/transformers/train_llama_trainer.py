@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--output-dir", default="trainer_output", help="Trainer output_dir (written only with --save)")
     p.add_argument("--save", action="store_true", help="save_model() into --output-dir at the end (loads in plain transformers)")
+    p.add_argument("--save-steps", type=int, default=0, help="a Trainer checkpoint (DeepSpeed state) every N steps; 0: none")
+    p.add_argument("--resume", metavar="CHECKPOINT", help="resume_from_checkpoint (a checkpoint-N folder of --save-steps)")
     return p.parse_args(argv)
 
 
@@ -112,7 +114,8 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
         warmup_steps=args.warmup, lr_scheduler_type="cosine", optim=args.optim, weight_decay=0.1, adam_beta2=0.95,
         max_grad_norm=args.max_grad_norm, bf16=args.bf16, seed=args.seed, data_seed=args.seed, logging_steps=1,
-        save_strategy="no", report_to="none", dataloader_drop_last=True,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to="none",
+        dataloader_drop_last=True,
     )
     topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
     torch.manual_seed(args.seed)
@@ -141,7 +144,7 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
 
 def main(argv: list[str] | None = None) -> None:
     trainer = build_trainer(argv)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=trainer.ring_sp_example_args.resume)
     if trainer.ring_sp_example_args.save:
         trainer.save_model()
 

@@ -11,6 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 # against the installed torch, hence --no-build-isolation).
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 MEGATRON_SPEC ?= megatron-core==0.16.1 einops
+TRANSFORMERS_SPEC ?= transformers==5.18.0 accelerate==1.15.0
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.ring_sp_installed
 
@@ -22,7 +23,7 @@ $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet --no-build-isolation "$(DEEPSPEED_SPEC)" $(MEGATRON_SPEC)
+	$(PIP) install --quiet --no-build-isolation "$(DEEPSPEED_SPEC)" $(MEGATRON_SPEC) $(TRANSFORMERS_SPEC)
 	$(PIP) install --quiet --no-build-isolation -e ".[test]"
 	touch $@
 

@@ -21,7 +21,7 @@ setup(
     version="0.1.0",
     description=(
         "Exact ring attention and ring x Ulysses (2D) sequence parallelism "
-        "for DeepSpeed and Megatron-core"
+        "for DeepSpeed, Megatron-core and Hugging Face transformers"
     ),
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -33,8 +33,11 @@ setup(
     extras_require={
         # flash-attn needs CUDA to build; it is imported lazily and never required.
         "flash": ["flash-attn>=2.1"],
-        "deepspeed": ["deepspeed>=0.19.8,<0.20"],  # the version whose gradient reduction the tests verify
-        "megatron": ["megatron-core>=0.16,<0.17", "einops"],  # 0.16.1 is what the tests verify
+        # the examples' progress bars use tqdm
+        "deepspeed": ["deepspeed>=0.19.8,<0.20", "tqdm>=4.60"],  # the version whose gradient reduction the tests verify
+        "megatron": ["megatron-core>=0.16,<0.17", "einops", "tqdm>=4.60"],  # 0.16.1 is what the tests verify
+        # the versions whose attention/mask interfaces, kwargs forwarding and Trainer the tests verify
+        "transformers": ["transformers>=5.18.0,<5.19", "accelerate>=1.15.0,<1.16", "tqdm>=4.60"],
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "numpy"],
         "bench": ["matplotlib>=3.5"],
     },

@@ -1,1 +1,1 @@
-"""Pieces shared by the DeepSpeed and Megatron pretraining examples: data and progress."""
+"""Pieces shared by the examples: data, progress, DeepSpeed on CPU."""

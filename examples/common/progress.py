@@ -1,5 +1,5 @@
-"""Training progress: a one-line bar on stderr and, with ``--log-json``, one JSON object
-per step on stdout (``{"step": .., "loss": .., "tokens_per_s": ..}``) for scripts."""
+"""Training progress: a tqdm bar on stderr and, with ``--log-json``, one JSON object per
+step on stdout (``{"step": .., "loss": .., "tokens_per_s": ..}``) for scripts."""
 
 from __future__ import annotations
 
@@ -7,14 +7,24 @@ import json
 import sys
 import time
 
+from tqdm import tqdm
+
 
 class Progress:
-    """Call ``step(step, loss, tokens)`` after each optimizer step on the logging rank."""
+    """Call ``step(step, loss, tokens)`` after each optimizer step on the logging rank.
+
+    The bar counts optimizer steps up to ``total_steps`` (starting at ``start_step`` when a
+    run resumes) and shows the last loss and tokens/s; it closes itself after the last step
+    (or call :meth:`close`). ``enabled=False`` (every rank but the logging one) prints nothing.
+    """
 
     def __init__(self, total_steps: int, *, log_json: bool, enabled: bool = True, start_step: int = 0) -> None:
         self.total, self.log_json, self.enabled = total_steps, log_json, enabled
         self.start_step = start_step
         self._last = time.perf_counter()
+        # stderr keeps stdout for the JSON lines; mininterval=0 draws every step (steps are slow)
+        self._bar = tqdm(total=total_steps, initial=start_step, disable=not enabled, file=sys.stderr, unit="step",
+                         dynamic_ncols=True, mininterval=0)
 
     def step(self, step: int, loss: float, tokens: int, **extra: float) -> None:
         now = time.perf_counter()
@@ -24,10 +34,11 @@ class Progress:
             return
         if self.log_json:
             print(json.dumps({"step": step, "loss": round(loss, 6), "tokens_per_s": round(tokens_per_s, 1), **extra}), flush=True)
-        done = step - self.start_step
-        width = 30
-        filled = int(width * done / max(1, self.total - self.start_step))
-        bar = "#" * filled + "." * (width - filled)
-        print(f"\r[{bar}] step {step}/{self.total} loss {loss:.4f} {tokens_per_s:,.0f} tok/s", end="", file=sys.stderr, flush=True)
+        self._bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tok/s", refresh=False)
+        self._bar.update(step - self._bar.n)
         if step >= self.total:
-            print(file=sys.stderr, flush=True)
+            self.close()
+
+    def close(self) -> None:
+        """End the bar's line (idempotent)."""
+        self._bar.close()

@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ import ring_sp  # noqa: E402
 import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 from examples.common.data import (VOCAB_SIZE, PackedDocuments, TokenWindows, corpus_documents,  # noqa: E402
                                   corpus_tokens, split_corpus)
+from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("ds_config.json")
@@ -186,15 +187,15 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, engine: Any) -> torch.Te
     return rsp_ds.cross_entropy(logits, labels, engine)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of the DeepSpeed examples (also examples/transformers): config overrides, model, schedule, data."""
     p.add_argument("--deepspeed_config", "--deepspeed-config", default=str(DEFAULT_CONFIG), help="DeepSpeed JSON config")
     p.add_argument("--ulysses-size", type=int, help="override ring_sp.ulysses_size of the config")
     p.add_argument("--ring-size", type=int, help="override ring_sp.ring_size of the config")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
     p.add_argument("--layout", choices=list(ring_sp.LAYOUTS), help="override ring_sp.layout of the config")
     p.add_argument("--pack-documents", action="store_true",
-                   help="pack whole documents per row, attention inside each (use with --layout document_zigzag)")
+                   help="pack whole documents per row, attention inside each (this example: with --layout document_zigzag)")
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu (samples per SP group)")
     p.add_argument("--bf16", action="store_true", help="train in bf16 (GPUs)")
     p.add_argument("--steps", type=int, default=40)
@@ -207,11 +208,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps, then cosine decay to 10%%")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-bytes", type=int, default=1_000_000)
+    p.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = common_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--save", metavar="DIR", help="save a DeepSpeed checkpoint here every --save-interval steps and at the end")
     p.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
     p.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR")
-    p.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
     return p.parse_args(argv)
 
 
@@ -242,29 +248,14 @@ def endless_batches(loader: torch.utils.data.DataLoader, skip: int) -> Iterator[
         yield from batches
 
 
-def skip_cpu_inference_comm_build() -> None:
-    """Keep DeepSpeed's CPU backend from JIT-compiling its shared-memory all-reduce.
-
-    That op serves only ``inference_all_reduce`` (training collectives go through gloo), yet
-    DeepSpeed builds it with g++ when the backend starts: about a minute on a small machine,
-    and an error without a compiler. Marking it unavailable is what DeepSpeed does itself
-    on platforms that cannot build it.
-    """
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() == "cpu":
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine decay to 10% at ``total``."""
     progress = min(1.0, step / max(1, total))
     return min(1.0, (step + 1) / max(1, warmup)) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def start_rank(args: argparse.Namespace) -> None:
+    """What every rank of a DeepSpeed example does first (also used by examples/transformers)."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -277,6 +268,35 @@ def main(argv: list[str] | None = None) -> None:
     get_accelerator().set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.manual_seed(args.seed)
 
+
+def training_dataset(args: argparse.Namespace) -> torch.utils.data.Dataset:
+    """Windows of the text stream, or (``--pack-documents``) whole documents packed per row."""
+    if args.pack_documents:
+        documents = corpus_documents(args.corpus_bytes)
+        return PackedDocuments(documents[: int(len(documents) * 0.95)], args.seq_len)  # the rest held out
+    return TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len)
+
+
+def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], loss_of: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+               dp_group: dist.ProcessGroup | None) -> float:
+    """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the loss averaged over the DP replicas."""
+    accum = engine.gradient_accumulation_steps()
+    total = torch.zeros((), device=engine.device)
+    for _ in range(accum):
+        loss = loss_of({k: v.to(engine.device) for k, v in next(batches).items()})
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    dist.all_reduce(total, group=dp_group)  # equal on the SP ranks of a replica: average the replicas
+    return total.item() / (accum * dist.get_world_size(dp_group))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    start_rank(args)
     ds_config = ds_config_from_args(args)
     sp_config = rsp_ds.RingSPConfig.from_ds_config(ds_config)  # None only with "enabled": false
     topology = rsp_ds.build_topology(ds_config)  # before the model: its attention needs the groups
@@ -301,11 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     dp_size = dist.get_world_size(dp_group)
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     samples_per_step = micro * accum * dp_size
-    if args.pack_documents:
-        documents = corpus_documents(args.corpus_bytes)
-        dataset = PackedDocuments(documents[: int(len(documents) * 0.95)], args.seq_len)  # the rest held out
-    else:
-        dataset = TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len)
+    dataset = training_dataset(args)
     loader = rsp_ds.sequence_parallel_dataloader(
         dataset, topology, batch_size=micro, layout=layout, seed=args.seed, pack=args.pack_documents
     )
@@ -317,17 +333,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{engine.zero_optimization_stage()}, layout {layout}{', packed documents' if args.pack_documents else ''}",
               file=sys.stderr)
     progress = Progress(args.steps, log_json=args.log_json, enabled=dist.get_rank() == 0, start_step=start_step)
+    def loss_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return loss_fn(engine(batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens")), batch["labels"], engine)
+
     for step in range(start_step + 1, args.steps + 1):
-        total = torch.zeros((), device=engine.device)
-        for _ in range(accum):
-            batch = {k: v.to(engine.device) for k, v in next(batches).items()}
-            logits = engine(batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens"))
-            loss = loss_fn(logits, batch["labels"], engine)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().float()
-        dist.all_reduce(total, group=dp_group)  # equal on the SP ranks of a replica: average the replicas
-        progress.step(step, total.item() / (accum * dp_size), tokens=samples_per_step * args.seq_len)
+        progress.step(step, train_step(engine, batches, loss_of, dp_group), tokens=samples_per_step * args.seq_len)
         if args.save and (step == args.steps or (args.save_interval and step % args.save_interval == 0)):
             engine.save_checkpoint(args.save, client_state={"step": step})
 

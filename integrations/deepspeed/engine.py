@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from ring_sp import SequenceParallelAttention, SequenceParallelTopology, init_sequence_parallel
 
+from ring_sp.integrations.transformers.attention import registration, uses_ring_sp  # imports no transformers
+
 from .config import SECTION, RingSPConfig
 from .mpu import SequenceParallelMPU
 
@@ -63,8 +65,18 @@ def build_topology(config: str | os.PathLike | Mapping[str, Any] | RingSPConfig)
 
 
 def _model_topology(model: torch.nn.Module, sp: RingSPConfig) -> SequenceParallelTopology | None:
-    """The one topology the model's attention modules share (checked against the section), or None."""
+    """The one topology the model's attention modules share (checked against the section), or None.
+
+    A Hugging Face model running ``attn_implementation="ring_sp"`` counts as one such module:
+    the registration of ``ring_sp.integrations.transformers.register``.
+    """
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, SequenceParallelAttention)]
+    if uses_ring_sp(model):
+        registered = registration()
+        if registered is None:
+            raise ValueError('the model uses attn_implementation="ring_sp" but nothing is registered: call '
+                             "ring_sp.integrations.transformers.register(build_topology(ds_config)) before the model")
+        modules.append(('attn_implementation="ring_sp"', registered))
     topologies = {id(m.topology): m.topology for _, m in modules}
     if len(topologies) > 1:
         raise ValueError(

@@ -1,0 +1,153 @@
+"""Train a small Llama (GQA) with the Hugging Face ``Trainer``, DeepSpeed and ring_sp.
+
+A plain Trainer script plus the three ring_sp lines (marked ``# ring_sp``): the DeepSpeed
+config ``trainer_ds_config.json`` holds the ``"ring_sp"`` section (U2 x R2 by default),
+``prepare_sequence_parallel`` builds the groups and registers ``attn_implementation="ring_sp"``,
+and ``SequenceParallelTrainer`` replaces ``Trainer``. The model is built from a config (no
+download): Llama architecture, 4 query / 2 KV heads, byte vocabulary; the data are Python's
+stdlib docstrings as bytes. Run it with the launcher::
+
+    examples/transformers/train_llama_trainer.sh --cpu                 # 4 CPU ranks, U2 x R2
+    examples/transformers/train_llama_trainer.sh --bf16 --ring-size 4  # every GPU of this machine
+
+``--pack-documents`` trains on whole documents, each micro-batch flattened into one row by
+``DataCollatorWithFlattening`` (position_ids restart per document: attention stays inside
+each document). ``--no-ring-sp`` trains the same model with ``attn_implementation="sdpa"`` and the same
+global batch without sequence parallelism (run it on one rank: ``NUM_RANKS=1``), the
+reference the ring_sp loss curve matches. Prints a tqdm bar (loss, tokens/s) on stderr
+and, with ``--log-json``, one ``{"step", "loss", "tokens_per_s"}`` per step on stdout
+(tokens/s counts ``seq_len`` per sample: an upper bound with ``--pack-documents``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ProgressCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for examples.common
+
+import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
+from examples.common.data import TokenWindows, corpus_documents, corpus_tokens, split_corpus  # noqa: E402
+from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build  # noqa: E402
+from examples.common.progress import Progress  # noqa: E402
+from examples.deepspeed.pretrain_gpt import common_args, ds_config_from_args  # noqa: E402
+from examples.transformers.pretrain_llama import llama_config  # noqa: E402  (the same small Llama)
+from ring_sp.integrations.transformers.trainer import (SequenceParallelTrainer,  # noqa: E402  # ring_sp
+                                                       prepare_sequence_parallel)
+
+DEFAULT_CONFIG = Path(__file__).resolve().with_name("trainer_ds_config.json")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The DeepSpeed examples' arguments (``--d-model`` is the hidden size) plus the Trainer's own."""
+    p = common_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    p.set_defaults(deepspeed_config=str(DEFAULT_CONFIG), micro_batch=4)
+    p.add_argument("--no-ring-sp", action="store_true",
+                   help='reference run: disable the ring_sp section, attn_implementation="sdpa" (use one rank)')
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
+    p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim (the tests use sgd)")
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--output-dir", default="trainer_output", help="Trainer output_dir (written only with --save)")
+    p.add_argument("--save", action="store_true", help="save_model() into --output-dir at the end (loads in plain transformers)")
+    p.add_argument("--save-steps", type=int, default=0, help="a Trainer checkpoint (DeepSpeed state) every N steps; 0: none")
+    p.add_argument("--resume", metavar="CHECKPOINT", help="resume_from_checkpoint (a checkpoint-N folder of --save-steps)")
+    return p.parse_args(argv)
+
+
+class TrainingDataset(torch.utils.data.Dataset):
+    """Windows of the byte stream as Trainer samples: ``{"input_ids", "labels"}`` (labels unshifted, HF style)."""
+
+    def __init__(self, windows: TokenWindows) -> None:
+        self.windows = windows
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens = self.windows[index]
+        return {"input_ids": tokens, "labels": tokens}
+
+
+class Documents(torch.utils.data.Dataset):
+    """The corpus's documents (cut to ``seq_len`` tokens) as Trainer samples ``{"input_ids": [...]}``."""
+
+    def __init__(self, documents: list[torch.Tensor], seq_len: int) -> None:
+        self.documents = [doc[:seq_len] for doc in documents]
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return {"input_ids": self.documents[index].tolist()}
+
+
+class JsonProgress(TrainerCallback):
+    """Replaces the Trainer's own bar: examples.common's tqdm bar and JSON lines, once per optimizer step."""
+
+    def __init__(self, total_steps: int, tokens_per_step: int, *, log_json: bool) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.progress = Progress(total_steps, log_json=log_json, enabled=dist.get_rank() == 0)
+
+    def on_log(self, args, state, control, logs=None, **kwargs) -> None:  # noqa: ANN001 (Trainer's signature)
+        if logs and "loss" in logs:
+            self.progress.step(state.global_step, float(logs["loss"]), self.tokens_per_step)
+
+
+def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
+    """Everything up to ``trainer.train()`` (the tests call this on their own ranks)."""
+    args = parse_args(argv)
+    skip_cpu_inference_comm_build()
+    # DeepSpeed's ZeRO still calls the all-gather torch 2.13 deprecated: one warning per rank, not ours to fix
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
+    ds_config = ds_config_from_args(args)
+    if args.no_ring_sp:
+        ds_config[rsp_ds.SECTION]["enabled"] = False
+    training_args = TrainingArguments(
+        output_dir=args.output_dir, deepspeed=ds_config, per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
+        warmup_steps=args.warmup, lr_scheduler_type="cosine", optim=args.optim, weight_decay=0.1, adam_beta2=0.95,
+        max_grad_norm=args.max_grad_norm, bf16=args.bf16, seed=args.seed, data_seed=args.seed, logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to="none",
+        dataloader_drop_last=True,
+    )
+    topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
+    torch.manual_seed(args.seed)
+    attention = "sdpa" if topology is None else "ring_sp"  # ring_sp
+    model = AutoModelForCausalLM.from_config(llama_config(args), attn_implementation=attention, dtype=torch.float32)
+    if args.pack_documents:  # Hugging Face's padding-free packing; ring_sp turns it into document masking
+        dataset, collator = Documents(corpus_documents(args.corpus_bytes), args.seq_len), DataCollatorWithFlattening()
+    else:
+        dataset = TrainingDataset(TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len))
+        collator = None  # the Trainer's default_data_collator
+    trainer = SequenceParallelTrainer(model=model, args=training_args, train_dataset=dataset,  # ring_sp: was Trainer
+                                      data_collator=collator)
+    dp_size = dist.get_world_size() if topology is None else topology.dp_size
+    samples_per_step = args.micro_batch * args.grad_accum * dp_size
+    if dist.get_rank() == 0:
+        grid = "1 (sdpa)" if topology is None else f"{topology.ulysses_size}x{topology.ring_size} (ulysses x ring)"
+        what = "documents of <=" if args.pack_documents else "x"
+        print(f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {samples_per_step} {what} "
+              f"{args.seq_len} tokens per step; world {dist.get_world_size()} = DP {dp_size} x SP {grid}",
+              file=sys.stderr)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(JsonProgress(args.steps, samples_per_step * args.seq_len, log_json=args.log_json))
+    trainer.ring_sp_example_args = args
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    trainer = build_trainer(argv)
+    trainer.train(resume_from_checkpoint=trainer.ring_sp_example_args.resume)
+    if trainer.ring_sp_example_args.save:
+        trainer.save_model()
+
+
+if __name__ == "__main__":
+    main()

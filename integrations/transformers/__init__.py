@@ -1,0 +1,40 @@
+"""Hugging Face transformers models on ring_sp's ``U x R`` grid.
+
+    import ring_sp.integrations.transformers as rsp_hf
+
+    name = rsp_hf.register(topology, layout="zigzag")            # -> "ring_sp"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)   # or from_pretrained / set_attn_implementation
+    shard = rsp_hf.shard_batch(global_batch, topology)            # input_ids, position_ids, shift_labels (+ cu_seq_lens_*)
+    logits = model(**shard).logits
+    loss = rsp_hf.causal_lm_loss(logits, shard["shift_labels"], engine=engine)   # exact global token mean
+
+* :func:`register`: ring_sp as an ``attn_implementation`` (attention + a mask hook that
+  builds no mask), :func:`registered_topology` / :func:`registration`: what was registered.
+* :func:`shard_batch`: a global HF batch (padding-free packing included) -> this rank's shard.
+* :func:`causal_lm_loss`: the exact loss over the SP group, scaled for the engine in use.
+* :class:`UnsupportedFeatureError`: what an unsupported model feature raises, on every rank,
+  before any collective (sliding windows, sinks, attention dropout, padding or custom
+  masks, generation with a KV cache).
+
+Importing this package does not import transformers: :func:`register` does.
+"""
+
+from __future__ import annotations
+
+from .attention import ATTN_IMPLEMENTATION, Registration, register, registered_topology, registration, uses_ring_sp
+from .data import document_boundaries, shard_batch
+from .features import UnsupportedFeatureError
+from .loss import causal_lm_loss
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "Registration",
+    "UnsupportedFeatureError",
+    "causal_lm_loss",
+    "document_boundaries",
+    "register",
+    "registered_topology",
+    "registration",
+    "shard_batch",
+    "uses_ring_sp",
+]

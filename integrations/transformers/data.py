@@ -1,0 +1,152 @@
+"""A Hugging Face batch -> this rank's shard, such that ``model(**shard)`` runs on the grid.
+
+Hugging Face conventions in, ring_sp's sharding out:
+
+* ``labels`` (default: ``input_ids``) are shifted on the FULL sequence and returned as
+  ``shift_labels``, which transformers' causal-LM loss takes as already shifted;
+* ``position_ids`` stay GLOBAL (in layout order), so RoPE sees each token's true position;
+* packed documents in the ``DataCollatorWithFlattening`` convention (``position_ids``
+  restarting at every document, or its ``cu_seq_lens_q``) become document boundaries over
+  the whole row (``cu_seq_lens_q`` / ``cu_seq_lens_k``, GLOBAL and equal on every rank, which
+  transformers forwards to the attention) and the document-aware layout; labels are shifted
+  inside each document;
+* an ``attention_mask`` must be all ones (padding is not supported) and is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ring_sp import LAYOUTS, SequenceParallelTopology, pad_documents
+from ring_sp import shard_batch as ring_sp_shard_batch
+from ring_sp.layouts import Boundaries, as_boundaries
+
+from .attention import registration
+from .features import layout_for
+
+_FLASH_LENGTHS = ("max_length_q", "max_length_k")  # DataCollatorWithFlattening's, recomputed by nobody here
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})"
+    return f"{type(x).__name__} {x!r}"
+
+
+def document_boundaries(position_ids: torch.Tensor) -> Boundaries:
+    """Boundaries of the documents of ``[b, N]`` positions laid end to end as ONE row of ``b * N``.
+
+    A document starts where a position is not its predecessor + 1 (transformers'
+    ``find_packed_sequence_indices`` rule) and at every row start.
+    """
+    b, n = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return tuple(torch.nonzero(starts.reshape(-1)).flatten().tolist()) + (b * n,)
+
+
+def _documents(batch: dict[str, Any], b: int, n: int) -> Boundaries | None:
+    """The batch's document boundaries over the flattened row, or None when no row is packed."""
+    cu_q, cu_k = batch.pop("cu_seq_lens_q", None), batch.pop("cu_seq_lens_k", None)
+    for key in _FLASH_LENGTHS:
+        batch.pop(key, None)
+    given = None
+    if cu_q is not None or cu_k is not None:
+        given = as_boundaries(cu_q if cu_q is not None else cu_k)
+        if cu_q is not None and cu_k is not None and as_boundaries(cu_k) != given:
+            raise ValueError("batch['cu_seq_lens_q'] and batch['cu_seq_lens_k'] differ; self-attention needs one set "
+                             "of document boundaries")
+        if b != 1 or given[0] != 0 or given[-1] != n:
+            raise ValueError(
+                f"batch['cu_seq_lens_q'] must describe ONE flattened row: start at 0 and end at its length {n}, with "
+                f"input_ids of shape [1, {n}]; got {_describe(cu_q)} for input_ids [{b}, {n}]"
+            )
+    if "position_ids" in batch:
+        found = document_boundaries(batch["position_ids"])
+        if given is not None and found != given:
+            raise ValueError(
+                "batch['position_ids'] and batch['cu_seq_lens_q'] describe different documents (positions must "
+                "restart at every boundary); pass one of them"
+            )
+        given = found
+    if given is None or len(given) - 1 == b:
+        return None  # one document per row: nothing packed
+    return given
+
+
+def _pad_for_document_zigzag(batch: dict[str, torch.Tensor], boundaries: Boundaries, sp_size: int,
+                             pad_id: int) -> tuple[dict[str, torch.Tensor], Boundaries]:
+    """``document_zigzag`` needs every document to be a multiple of ``2 x SP`` tokens today.
+
+    The ONE place that pads (at each document's end; labels get the ignore index, so padding
+    never enters the loss): delete it once ring_sp's layouts accept any document length.
+    """
+    if sp_size == 1:
+        return batch, boundaries  # one rank holds every document whole
+    return pad_documents(batch, boundaries, 2 * sp_size, pad_id=pad_id)
+
+
+def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | None, *, layout: str = "zigzag",
+                pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """This rank's shard of a GLOBAL Hugging Face batch, ready for ``model(**shard)``.
+
+    ``batch``: ``input_ids`` ``[b, N]``; optional ``labels`` ``[b, N]`` (unshifted, the HF
+    convention; default ``input_ids``; -100 is ignored), ``position_ids`` ``[b or 1, N]``,
+    an all-ones ``attention_mask``, DataCollatorWithFlattening's ``cu_seq_lens_q/k`` and
+    ``max_length_q/k``; other ``[b, N, ...]`` tensors are sharded alike. ``topology``:
+    the grid (None: one rank, the same keys, nothing sharded). ``layout``: the one given
+    to :func:`register`.
+
+    Returns ``input_ids``, ``position_ids`` (global, in layout order) and ``shift_labels``,
+    each ``[b, N / sp_size]``. Packed documents (positions restarting) make ONE row of all
+    ``b`` rows, use the document-aware layout (``zigzag`` -> ``document_zigzag``, each
+    document padded to a multiple of ``2 x sp_size`` with ``pad_id``) and add
+    ``cu_seq_lens_q`` = ``cu_seq_lens_k``: int32 ``[docs + 1]`` boundaries of the GLOBAL
+    row, the same on every rank, which the model forwards to the attention. No
+    communication: every rank calls it with the same global batch.
+    """
+    if topology is not None and not isinstance(topology, SequenceParallelTopology):
+        raise TypeError(f"topology must be a ring_sp.SequenceParallelTopology or None; got {type(topology).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}; use the layout given to register()")
+    registered = registration()
+    if registered is not None and registered.topology is topology and registered.layout != layout:
+        raise ValueError(f"layout={layout!r} but register() was given layout={registered.layout!r} for this topology: "
+                         f"shard with the layout the attention assumes")
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        raise ValueError(f"batch must be a mapping with 'input_ids' [batch, seq]; got {_describe(batch)}")
+    full = dict(batch)
+    for key, value in full.items():
+        if not isinstance(value, torch.Tensor) and key not in _FLASH_LENGTHS:
+            raise TypeError(f"batch[{key!r}] must be a tensor; got {_describe(value)}")
+    input_ids = full["input_ids"]
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"batch['input_ids'] must be an integer tensor [batch, seq]; got {_describe(input_ids)}")
+    b, n = input_ids.shape
+    mask = full.pop("attention_mask", None)
+    if mask is not None and not bool(torch.as_tensor(mask).all()):
+        raise ValueError(
+            "batch['attention_mask'] has zeros (padding), which ring_sp does not support: pack the sequences instead "
+            "(transformers' DataCollatorWithFlattening, position_ids restarting at 0 per document) and drop the mask"
+        )
+    if "position_ids" in full and full["position_ids"].shape[0] == 1 and b > 1:
+        full["position_ids"] = full["position_ids"].expand(b, n)
+    boundaries = _documents(full, b, n)
+    sp_size, sp_rank = (1, 0) if topology is None else (topology.sp_size, topology.sp_rank)
+    layout = layout_for(layout, packed=boundaries is not None)
+    if boundaries is not None:
+        full = {key: value.reshape(1, b * n, *value.shape[2:]) for key, value in full.items()}  # one packed row
+        if layout == "document_zigzag":
+            full, boundaries = _pad_for_document_zigzag(full, boundaries, sp_size, pad_id)
+    shard = ring_sp_shard_batch(full, rank=sp_rank, world_size=sp_size, layout=layout, shift=True, cu_seqlens=boundaries)
+    shard["shift_labels"] = shard.pop("labels")
+    if boundaries is not None:
+        cu = torch.tensor(boundaries, dtype=torch.int32, device=input_ids.device)
+        shard["cu_seq_lens_q"] = shard["cu_seq_lens_k"] = cu
+    return shard
+
+
+__all__ = ["document_boundaries", "shard_batch"]

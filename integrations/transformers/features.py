@@ -1,0 +1,189 @@
+"""What ring_sp's attention supports of a Hugging Face attention call, and the translation.
+
+:func:`ring_sp_call_options` is THE one place where an HF attention call (the attention
+module's attributes plus the keyword arguments transformers passes to an
+``AttentionInterface`` function) becomes ring_sp keyword arguments. A feature ring_sp does
+not support yet raises :class:`UnsupportedFeatureError` naming the model, the feature and
+the fix; when ring_sp gains one (sliding windows and sinks are under way), pass it through
+here instead of raising.
+
+:func:`check_model_config` is the model-wide part of the same checks, run by the mask hook
+once per forward before the first layer, so a model whose LATER layers use a sliding
+window fails before layer 0 starts any collective. Both are pure and local: every rank
+given the same model and batch raises the same error before any communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ring_sp.layouts import Boundaries, as_boundaries
+
+
+class UnsupportedFeatureError(ValueError):
+    """A model feature ring_sp's attention does not support (yet)."""
+
+
+def model_name(config: Any, module: torch.nn.Module | None = None) -> str:
+    """``'LlamaForCausalLM (model_type llama)'`` plus the attention module and layer, for errors."""
+    architectures = getattr(config, "architectures", None) or []
+    model_type = getattr(config, "model_type", None) or "unknown"
+    name = f"{architectures[0]} (model_type {model_type!r})" if architectures else f"the model of model_type {model_type!r}"
+    if module is not None:
+        layer = getattr(module, "layer_idx", None)
+        name += f", {type(module).__name__}" + (f" of layer {layer}" if layer is not None else "")
+    return name
+
+
+def _unsupported(where: str, feature: str, fix: str) -> UnsupportedFeatureError:
+    return UnsupportedFeatureError(
+        f'{where} uses {feature}, which attn_implementation="ring_sp" does not support yet; {fix}'
+    )
+
+
+def check_model_config(config: Any) -> None:
+    """Model-wide features ring_sp cannot run (sliding windows, chunked attention). Pure."""
+    where = model_name(config)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise _unsupported(
+                where, f"attention layer types {other} (config.layer_types)",
+                "use a config whose layer_types are all 'full_attention' (e.g. use_sliding_window=False), or "
+                "another attn_implementation for this model",
+            )
+    elif getattr(config, "sliding_window", None) is not None:  # Mistral-style: one window for every layer
+        raise _unsupported(
+            where, f"a sliding window of {config.sliding_window} tokens (config.sliding_window)",
+            "set config.sliding_window = None (full causal attention) before building the model",
+        )
+    if getattr(config, "attention_chunk_size", None) is not None:
+        raise _unsupported(
+            where, f"chunked attention of {config.attention_chunk_size} tokens (config.attention_chunk_size)",
+            "set config.attention_chunk_size = None",
+        )
+
+
+def check_mask_call(config: Any, attention_mask: torch.Tensor | None, q_length: int, kv_length: int,
+                    q_offset: Any) -> None:
+    """The mask hook's checks: a padding mask or a KV cache holding earlier tokens. Local."""
+    where = model_name(config)
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise _unsupported(
+            where, "a padding attention_mask (some entries are 0)",
+            "pack the sequences instead of padding them (DataCollatorWithFlattening: position_ids restarting at 0 "
+            "per document), shard with ring_sp.integrations.transformers.shard_batch, and pass no attention_mask",
+        )
+    if kv_length != q_length or (not isinstance(q_offset, torch.Tensor) and q_offset != 0):
+        raise _unsupported(
+            where, f"a KV cache holding {kv_length - q_length} earlier tokens (generation with past_key_values)",
+            "generate with another attn_implementation, e.g. model.set_attn_implementation('sdpa') on one rank "
+            "(training and evaluation forwards are supported, with or without use_cache)",
+        )
+
+
+def _cu_seqlens(kwargs: Mapping[str, Any], where: str, boundaries: Callable[[torch.Tensor], Boundaries]) -> Boundaries | None:
+    """The global document boundaries of ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (equal: self-attention)."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    if cu_q is None or cu_k is None or (cu_q is not cu_k and boundaries(cu_q) != boundaries(cu_k)):
+        raise ValueError(
+            f"{where}: cu_seq_lens_q and cu_seq_lens_k must both be given and equal (the global document boundaries "
+            f"of self-attention); make them with ring_sp.integrations.transformers.shard_batch"
+        )
+    return boundaries(cu_q)
+
+
+def ring_sp_call_options(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                         attention_mask: torch.Tensor | None, kwargs: Mapping[str, Any], *, layout: str,
+                         backend: str, boundaries: Callable[[torch.Tensor], Boundaries] = as_boundaries) -> dict[str, Any]:
+    """ring_sp keyword arguments for one HF attention call, or :class:`UnsupportedFeatureError`.
+
+    ``query`` ``[b, h, n, d]`` and ``key`` ``[b, h_kv, n_kv, d]`` as transformers passes them;
+    ``layout`` / ``backend``: the registered ones (``layout`` turns document-aware when
+    documents are given). ``boundaries``: turns a ``cu_seq_lens_*`` tensor into a tuple (the
+    caller may cache it across layers). Returns ``causal``, ``layout``,
+    ``softmax_scale``, ``backend``, ``cu_seqlens`` for :func:`ring_sp.hybrid_attention`.
+    """
+    config = getattr(module, "config", None)
+    where = model_name(config, module)
+    if attention_mask is not None:
+        kind = f"a {attention_mask.dim()}-D attention mask" if isinstance(attention_mask, torch.Tensor) else \
+            f"an attention mask of type {type(attention_mask).__name__}"
+        raise _unsupported(
+            where, f"{kind} (a custom or padding mask)",
+            "pass no attention_mask: packed documents go through position_ids (shard_batch turns them into "
+            "document boundaries), padding is not supported",
+        )
+    if key.shape[-2] != query.shape[-2]:
+        raise _unsupported(
+            where, f"keys of length {key.shape[-2]} for queries of length {query.shape[-2]} (a KV cache holding earlier "
+            "tokens, or cross-attention)",
+            "generate with another attn_implementation (e.g. 'sdpa' on one rank); ring_sp runs self-attention "
+            "training and evaluation forwards",
+        )
+    dropout = kwargs.get("dropout", 0.0) or 0.0
+    if dropout > 0:
+        raise _unsupported(
+            where, f"attention dropout {dropout} (config.attention_dropout)",
+            "set config.attention_dropout = 0.0 (ring_sp attention has no dropout)",
+        )
+    sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if sliding_window is not None:
+        raise _unsupported(
+            where, f"a sliding window of {sliding_window} tokens", "set config.sliding_window = None",
+        )
+    sinks = kwargs.get("s_aux", kwargs.get("sinks", getattr(module, "sinks", None)))
+    if sinks is not None:
+        raise _unsupported(
+            where, "attention sinks (a learned per-head softmax offset, s_aux)",
+            "use a model without sinks, or another attn_implementation",
+        )
+    if kwargs.get("softcap") is not None:
+        raise _unsupported(where, f"attention logit softcapping ({kwargs['softcap']})", "set config.attn_logit_softcapping = None")
+    for name in ("position_bias", "alibi", "head_mask"):
+        if kwargs.get(name) is not None:
+            raise _unsupported(where, f"an additive attention bias ({name})", "use a RoPE model without attention biases")
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    cu_seqlens = _cu_seqlens(kwargs, where, boundaries)
+    return dict(causal=bool(causal), layout=layout_for(layout, packed=cu_seqlens is not None),
+                softmax_scale=kwargs.get("scaling"), backend=backend, cu_seqlens=cu_seqlens)
+
+
+def check_positions(position_ids: torch.Tensor | None, layout: str, sp_size: int, where: str) -> None:
+    """Catch the easy mistake of a shard without its GLOBAL ``position_ids``.
+
+    transformers then numbers the shard's tokens 0..n-1, and RoPE would silently use the
+    wrong positions. Under ``zigzag`` / ``document_zigzag`` over several ranks no rank's
+    shard has positions 0..n-1 (every rank holds two chunks of every document), so every
+    rank raises together. One host sync; the caller runs it once per forward.
+    """
+    if position_ids is None or sp_size == 1 or layout not in ("zigzag", "document_zigzag") or position_ids.shape[-1] < 2:
+        return
+    local = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    if bool((position_ids == local).all()):
+        raise ValueError(
+            f"{where}: position_ids are 0..{position_ids.shape[-1] - 1}, the shard's LOCAL positions, so RoPE would be "
+            f"wrong under layout={layout!r}; pass the GLOBAL positions: model(**shard) with shard = "
+            f"ring_sp.integrations.transformers.shard_batch(batch, topology) (it holds position_ids)"
+        )
+
+
+def layout_for(layout: str, *, packed: bool) -> str:
+    """The layout a batch is sharded with: ``zigzag`` turns into ``document_zigzag`` for packed
+    documents (and back for a batch without documents); the others stay."""
+    if packed and layout == "zigzag":
+        return "document_zigzag"
+    if not packed and layout == "document_zigzag":
+        return "zigzag"
+    return layout
+
+
+__all__ = ["UnsupportedFeatureError", "check_mask_call", "check_model_config", "check_positions", "layout_for", "model_name",
+           "ring_sp_call_options"]

@@ -1,0 +1,335 @@
+"""The Hugging Face ``Trainer`` (transformers 5.18, accelerate 1.15) with DeepSpeed and ring_sp.
+
+A Trainer script whose DeepSpeed config has a ``"ring_sp"`` section changes by an import and
+three lines (``prepare_sequence_parallel``, ``attn_implementation``, the Trainer class)::
+
+    from ring_sp.integrations.transformers.trainer import SequenceParallelTrainer, prepare_sequence_parallel
+
+    args = TrainingArguments(..., deepspeed="ds_config.json")        # holds "ring_sp": {...}
+    prepare_sequence_parallel(args)                                   # groups + attn_implementation "ring_sp"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ring_sp")
+    trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=..., data_collator=...)
+    trainer.train()
+
+The collator still returns GLOBAL batches (``input_ids``, ``labels``, optional
+``position_ids`` restarting per packed document). What the Trainer needs, and where:
+
+* engine: accelerate 1.15 calls ``deepspeed.initialize`` with no ``mpu`` (its own
+  ``ParallelismConfig(sp_backend="deepspeed")`` only knows DeepSpeed's Ulysses, ALST:
+  its attention, its data adapter, SP degree <= heads). While :meth:`train` runs, that call
+  goes to :func:`ring_sp.integrations.deepspeed.initialize`, which adds ring_sp's mpu
+  (ZeRO over all ``DP x SP`` ranks) and adopts the registered topology;
+* data: the ranks of one SP group must read the same samples, so the sampler splits the
+  dataset over the ``DP`` replicas (``sequence_parallel_sampler``) and accelerate's own
+  split over all ranks is undone; the collator is wrapped to return this rank's shard
+  (:func:`..shard_batch`);
+* loss: the Trainer counts the valid tokens of the whole optimizer step (every
+  gradient-accumulation micro-batch, every rank) and the loss is the token mean over them,
+  as the Trainer does without SP, with the backward scaled for the ZeRO stage's reduction.
+
+Not supported (each raises when the Trainer is built): evaluation/prediction under SP
+(logits are sharded), ``compute_loss_func``, label smoothing, ``batch_rebalance``
+or ``group_by_length`` sampling, IterableDatasets, accelerate's ``split_batches`` /
+``dispatch_batches``, DataParallel (``n_gpu > 1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import Trainer, TrainingArguments
+
+from ring_sp import SequenceParallelTopology, sequence_parallel_loss
+from ring_sp.data import IGNORE_INDEX
+from ring_sp.integrations import deepspeed as rsp_ds
+
+from .attention import ATTN_IMPLEMENTATION, register, registration, uses_ring_sp
+from .data import shard_batch
+from .loss import causal_lm_loss
+
+
+def _ds_config(args: TrainingArguments) -> dict[str, Any] | None:
+    """The DeepSpeed config dict the Trainer will use (``args.deepspeed``), or None."""
+    processed = getattr(args, "hf_deepspeed_config", None)  # "auto" values already filled by transformers
+    if processed is not None:
+        return processed.config
+    return None if args.deepspeed is None else rsp_ds.load_config(args.deepspeed)
+
+
+def prepare_sequence_parallel(args: TrainingArguments) -> SequenceParallelTopology | None:
+    """Build the grid of ``args.deepspeed``'s ``"ring_sp"`` section and register ``attn_implementation="ring_sp"``.
+
+    Call it on every rank after ``TrainingArguments`` and BEFORE building the model (the
+    attention needs the groups). Returns the topology, or None when the config has no
+    enabled section (then nothing is registered and the Trainer runs as usual).
+    Collective over the default group.
+    """
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"args must be transformers.TrainingArguments; got {type(args).__name__}")
+    config = _ds_config(args)
+    sp = None if config is None else rsp_ds.RingSPConfig.from_ds_config(config)
+    if sp is None:
+        return None
+    args.device  # noqa: B018 -- sets up torch.distributed through accelerate/DeepSpeed as the Trainer will
+    topology = rsp_ds.build_topology(sp)
+    register(topology, layout=sp.layout, backend=sp.backend)
+    return topology
+
+
+class SequenceParallelCollator:
+    """Wraps a collator of GLOBAL batches: returns this rank's shard (``shard_batch``).
+
+    ``collator(features)`` must return ``input_ids`` ``[b, N]`` and optionally ``labels``,
+    ``position_ids``, an all-ones ``attention_mask``; the result holds ``input_ids``,
+    ``position_ids``, ``shift_labels`` (and ``cu_seq_lens_q/k`` for packed documents),
+    each ``[b, N / sp_size]``. No communication (safe in DataLoader workers).
+    """
+
+    def __init__(self, collator: Callable[[list[Any]], Mapping[str, Any]], topology: SequenceParallelTopology,
+                 *, layout: str) -> None:
+        if not callable(collator):
+            raise TypeError(f"collator must be callable; got {type(collator).__name__}")
+        self.collator, self.topology, self.layout = collator, topology, layout
+
+    def __call__(self, features: list[Any]) -> dict[str, torch.Tensor]:
+        return shard_batch(self.collator(features), self.topology, layout=self.layout)
+
+
+def _unshard(loader: Any) -> None:
+    """Undo accelerate's split of the batches over ALL ranks (the sampler already splits over DP).
+
+    accelerate wraps the batch sampler in a ``BatchSamplerShard`` over ``num_processes``
+    ranks; made a one-process pass-through it keeps its other duties (``set_epoch``, skipping
+    batches on resume), as the Trainer does for its own rank-aware ``BatchRebalanceSampler``.
+    On CPU under DeepSpeed accelerate 1.15 sees one process and wraps nothing.
+    """
+    from accelerate.data_loader import BatchSamplerShard
+
+    shard = getattr(loader, "batch_sampler", None)
+    if isinstance(shard, BatchSamplerShard):
+        shard.num_processes, shard.process_index = 1, 0
+
+
+@contextlib.contextmanager
+def _ring_sp_engine() -> Iterator[None]:
+    """While active, ``deepspeed.initialize`` (as accelerate calls it) is ring_sp's ``initialize``.
+
+    accelerate computes ``train_batch_size`` as micro x GA x ALL ranks; with sequence
+    parallelism only ``world / (U x R)`` ranks hold different samples, so it is dropped and
+    DeepSpeed derives it (ring_sp's ``initialize`` checks the arithmetic).
+    """
+    import deepspeed
+
+    original = deepspeed.initialize
+
+    @functools.wraps(original)
+    def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwargs: Any) -> tuple:
+        source = config if config is not None else config_params
+        ds_config = None if source is None else dict(rsp_ds.load_config(source))
+        if ds_config is not None:
+            ds_config.pop("train_batch_size", None)
+        deepspeed.initialize = original  # ring_sp's initialize calls the real one
+        try:
+            engine, *rest = rsp_ds.initialize(*args, config=ds_config, **kwargs)
+        finally:
+            deepspeed.initialize = initialize
+        current = registration()
+        if current is None or getattr(engine, "ring_sp_topology", None) is not current.topology:
+            raise RuntimeError("ring_sp.integrations.deepspeed.initialize did not adopt the topology registered for "
+                               'attn_implementation="ring_sp"; its gradient groups would not be the attention\'s')
+        return (engine, *rest)
+
+    deepspeed.initialize = initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
+
+
+class SequenceParallelTrainer(Trainer):
+    """``transformers.Trainer`` for models with ``attn_implementation="ring_sp"`` under DeepSpeed.
+
+    Takes ``Trainer``'s arguments. Without an enabled ``"ring_sp"`` section in
+    ``args.deepspeed`` it IS ``Trainer``. With one, every rank of an SP group trains on its
+    shard of the same samples and the optimizer step equals the same step of one rank
+    holding the whole sequences (same global batch): see the module docstring.
+    ``ring_sp_topology`` is the grid (None without the section).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = self.accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed_enabled else None
+        sp = None if config is None else rsp_ds.RingSPConfig.from_ds_config(config)
+        self.ring_sp_config = sp
+        section = {} if config is None else config.get(rsp_ds.SECTION)
+        if isinstance(section, dict) and section.get("backend") == "auto":
+            # accelerate takes every "auto" in the config for a value IT must fill in, and raises
+            del section["backend"]  # the default, so the same choice
+        self.ring_sp_topology: SequenceParallelTopology | None = None
+        if sp is None:
+            if uses_ring_sp(self.model):
+                raise ValueError(
+                    f'the model uses attn_implementation="{ATTN_IMPLEMENTATION}" but the DeepSpeed config '
+                    f'(TrainingArguments.deepspeed) has no enabled "{rsp_ds.SECTION}" section; add one, e.g. '
+                    f'"ring_sp": {{"ulysses_size": 2, "ring_size": 2}}'
+                )
+            return
+        self.ring_sp_topology = self._check_setup(sp)
+        self.data_collator = SequenceParallelCollator(self.data_collator, self.ring_sp_topology, layout=sp.layout)
+        # the loss below takes num_items_in_batch: the Trainer must not divide it by the GA steps again
+        self.model_accepts_loss_kwargs = True
+
+    def _check_setup(self, sp: rsp_ds.RingSPConfig) -> SequenceParallelTopology:
+        """Everything local that must hold, checked on every rank before any collective."""
+        current = registration()
+        if current is None:
+            raise ValueError(
+                "ring_sp is not registered with transformers: call prepare_sequence_parallel(training_args) before "
+                'building the model with attn_implementation="ring_sp"'
+            )
+        topology = current.topology
+        for key in ("ulysses_size", "ring_size", "placement"):
+            if getattr(topology, key) != getattr(sp, key):
+                raise ValueError(
+                    f"{rsp_ds.SECTION}.{key}={getattr(sp, key)!r} but the registered topology has {key}="
+                    f"{getattr(topology, key)!r}; call prepare_sequence_parallel(training_args) with this config"
+                )
+        for key in ("layout", "backend"):
+            if getattr(current, key) != getattr(sp, key):
+                raise ValueError(
+                    f"{rsp_ds.SECTION}.{key}={getattr(sp, key)!r} but ring_sp was registered with {key}="
+                    f"{getattr(current, key)!r}; call prepare_sequence_parallel(training_args) with this config"
+                )
+        if not uses_ring_sp(self.model):
+            raise ValueError(
+                f"the DeepSpeed config has a {rsp_ds.SECTION!r} section but the model's attn_implementation is "
+                f"{getattr(self.model.config, '_attn_implementation', None)!r}; build it with "
+                f'attn_implementation="{ATTN_IMPLEMENTATION}" (or call model.set_attn_implementation("ring_sp"))'
+            )
+        args = self.args
+        unsupported = {
+            "compute_loss_func": (self.compute_loss_func is not None, "drop it (the loss is the exact causal-LM loss)"),
+            "label_smoothing_factor": (args.label_smoothing_factor != 0, "set it to 0"),
+            f"train_sampling_strategy={args.train_sampling_strategy!r}": (
+                args.train_sampling_strategy not in ("random", "sequential"), "use 'random' or 'sequential'"),
+            "an IterableDataset": (isinstance(self.train_dataset, torch.utils.data.IterableDataset),
+                                   "use a map-style dataset (the sampler splits it over the data-parallel replicas)"),
+            "accelerator_config.split_batches": (args.accelerator_config.split_batches, "set it to False"),
+            "accelerator_config.dispatch_batches": (bool(args.accelerator_config.dispatch_batches), "set it to False"),
+            "n_gpu > 1 (DataParallel)": (args.n_gpu > 1, "launch one process per device"),
+            f"eval_strategy={args.eval_strategy.value!r}": (
+                args.eval_strategy.value != "no",
+                "set eval_strategy='no' and evaluate the saved model (save_pretrained) without ring_sp"),
+            "compute_metrics": (self.compute_metrics is not None, "evaluate the saved model without ring_sp"),
+        }
+        for name, (present, fix) in unsupported.items():
+            if present:
+                raise ValueError(f"SequenceParallelTrainer does not support {name} with the {rsp_ds.SECTION!r} section; {fix}")
+        return topology
+
+    # ---------------------------------------------------------------- engine
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        if self.ring_sp_topology is None:
+            return super().train(*args, **kwargs)
+        with _ring_sp_engine():
+            return super().train(*args, **kwargs)
+
+    def _sp_unsupported(self, what: str) -> None:
+        if self.ring_sp_topology is not None:
+            raise ValueError(
+                f"SequenceParallelTrainer.{what} is not supported with the {rsp_ds.SECTION!r} section (the logits are "
+                f"sharded over the SP ranks); save the model (trainer.save_model) and {what} it without ring_sp"
+            )
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        self._sp_unsupported("evaluate")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        self._sp_unsupported("predict")
+        return super().predict(*args, **kwargs)
+
+    # ---------------------------------------------------------------- data
+    def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler | None:
+        """Over the DP replicas: every rank of an SP group draws the same samples."""
+        if self.ring_sp_topology is None:
+            return super()._get_train_sampler(train_dataset)
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return rsp_ds.sequence_parallel_sampler(dataset, self.ring_sp_topology, seed=seed,
+                                                shuffle=self.args.train_sampling_strategy == "random",
+                                                drop_last=self.args.dataloader_drop_last)
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        loader = super().get_train_dataloader()
+        if self.ring_sp_topology is not None:
+            _unshard(loader)
+        return loader
+
+    def get_total_train_batch_size(self, args: TrainingArguments) -> int:
+        """Samples per optimizer step: the SP ranks of a replica share theirs."""
+        if self.ring_sp_topology is None:
+            return super().get_total_train_batch_size(args)
+        return self._train_batch_size * args.gradient_accumulation_steps * self.ring_sp_topology.dp_size
+
+    # ---------------------------------------------------------------- loss
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        """The step's micro-batches and its number of valid target tokens over ALL ranks.
+
+        Each rank counts its shards' ``shift_labels``; the SP ranks hold disjoint tokens and
+        the replicas different samples, so the sum over all ``DP x SP`` ranks is the count of
+        the whole global step (what one rank holding everything would count).
+        """
+        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.ring_sp_topology is None:
+            return batch_samples, num_items
+        count = torch.zeros((), dtype=torch.int64, device=device)
+        for batch in batch_samples:
+            count += (batch["shift_labels"] != IGNORE_INDEX).sum().to(device)
+        dist.all_reduce(count, group=self.ring_sp_topology.dp_sp_group)
+        return batch_samples, count
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        """Cross entropy of this rank's shard as a share of the exact global token mean.
+
+        With ``num_items_in_batch`` (the step's valid tokens over all ranks, from
+        :meth:`get_batch_samples`) the value is ``sum(SP group's token losses) x DP / count``,
+        so the Trainer's mean over all ranks and micro-batches logs the step's token mean,
+        and the backward gives ``count``'s token-mean gradient once the engine has reduced
+        it (sum over SP for ZeRO 0-2, mean for ZeRO 3). Without it: the micro-batch's
+        token mean over the SP group (:func:`..causal_lm_loss`).
+        """
+        if self.ring_sp_topology is None:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        inputs = dict(inputs)
+        shift_labels = inputs.pop("shift_labels", None)
+        if shift_labels is None:
+            raise ValueError("the batch has no 'shift_labels': build it with the Trainer's collator "
+                             "(SequenceParallelCollator around a collator of global batches with input_ids/labels)")
+        inputs.pop("labels", None)
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        topology = self.ring_sp_topology
+        averaged = self.deepspeed is not None and rsp_ds.gradients_averaged_over_sp(self.deepspeed)
+        if num_items_in_batch is None:
+            loss = causal_lm_loss(logits, shift_labels, topology=topology, gradients_averaged_over_sp=averaged)
+        else:
+            loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
+                                       reduction="sum")
+            # every rank claims an equal share of the step's count: summed over the SP group it is
+            # the replica's share count / DP, so the value and backward are as documented above
+            share = torch.as_tensor(num_items_in_batch, dtype=torch.float64, device=loss_sum.device)
+            share = share / (topology.dp_size * topology.sp_size)
+            loss = sequence_parallel_loss(loss_sum, share, group=topology.sp_group, gradients_averaged_over_sp=averaged)
+        return (loss, outputs) if return_outputs else loss
+
+
+__all__ = ["SequenceParallelCollator", "SequenceParallelTrainer", "prepare_sequence_parallel"]

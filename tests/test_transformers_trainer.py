@@ -1,0 +1,232 @@
+"""Issue 11: the HF Trainer path (``SequenceParallelTrainer`` with DeepSpeed's ``"ring_sp"`` section).
+
+The rank cases build the Trainer of ``examples/transformers/train_llama_trainer.py`` (a
+small Llama, GQA, from a config) on gloo ranks with DeepSpeed's CPU accelerator and train
+a few SGD steps with gradient accumulation; the reference is the plain ``Trainer`` with
+``attn_implementation="sdpa"`` on ONE rank, same seed, same global batch. Per-step loss,
+DeepSpeed's gradient norm (after its reduction) and the final parameters must agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "transformers"
+DS_ENV = {"DS_ACCELERATOR": "cpu"}  # the same pools as tests/test_deepspeed.py
+HAVE_STACK = all(importlib.util.find_spec(m) is not None for m in ("deepspeed", "transformers", "accelerate"))
+pytestmark = pytest.mark.skipif(not HAVE_STACK, reason="needs deepspeed, transformers and accelerate "
+                                "(pip install --no-build-isolation 'ring-sp[transformers]')")
+
+# tiny model; the run: 3 SGD steps of 2 micro-batches (gradient accumulation) of 64 tokens
+MODEL = ["--seq-len", "64", "--d-model", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--corpus-bytes", "100000"]
+TINY = [*MODEL, "--steps", "3", "--grad-accum", "2", "--optim", "sgd", "--lr", "0.5", "--warmup", "0",
+        "--max-grad-norm", "1.0"]
+
+_EXAMPLE_MODULE = "ring_sp_transformers_train_llama_trainer"
+
+
+def _example():
+    """The example script as a module (its Trainer set-up)."""
+    if _EXAMPLE_MODULE not in sys.modules:
+        spec = importlib.util.spec_from_file_location(_EXAMPLE_MODULE, EXAMPLE / "train_llama_trainer.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[_EXAMPLE_MODULE] = module
+        spec.loader.exec_module(module)
+    return sys.modules[_EXAMPLE_MODULE]
+
+
+def _prepare_rank() -> None:
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())  # DeepSpeed and accelerate require it; one host
+    groups.mpu = None  # DeepSpeed keeps the last engine's mpu process-wide; a fresh process has none
+
+
+def _step_counter() -> Any:
+    """A Trainer callback counting the optimizer steps this run itself takes (``.steps``)."""
+    from transformers import TrainerCallback
+
+    class StepCounter(TrainerCallback):
+        steps = 0
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.steps += 1
+
+    return StepCounter()
+
+
+def train_case(argv: list[str], output_dir: str, resume: str | None = None) -> dict[str, Any]:
+    """Build the example's Trainer, train; per-step loss and grad norm, final full fp32 parameters."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    _prepare_rank()
+    original = deepspeed.initialize
+    trainer = _example().build_trainer([*argv, "--output-dir", output_dir])
+    trained = _step_counter()
+    trainer.add_callback(trained)
+    trainer.train(resume_from_checkpoint=resume)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    params = {}
+    for name, p in trainer.model_wrapped.module.named_parameters():
+        full = safe_get_full_fp32_param(p)
+        params[name] = (p if full is None else full).detach().clone()
+    topology = trainer.ring_sp_topology
+    return {
+        "steps": [entry["step"] for entry in logs], "loss": [entry["loss"] for entry in logs], "trained": trained.steps,
+        "grad_norm": [entry["grad_norm"] for entry in logs], "params": params,
+        "dp_size": None if topology is None else topology.dp_size,
+        "zero_stage": trainer.model_wrapped.zero_optimization_stage(),
+        "engine_topology_is_registered": topology is not None and trainer.model_wrapped.ring_sp_topology is topology,
+        "deepspeed_initialize_restored": deepspeed.initialize is original,
+    }
+
+
+def _rel(got: float, want: float) -> float:
+    return abs(got - want) / max(abs(want), 1e-12)
+
+
+def _compare(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+    assert ref["steps"] == [1, 2, 3], ref["steps"]
+    assert ref["loss"][-1] < ref["loss"][0] - 0.1, ref["loss"]  # it trains
+    assert max(ref["grad_norm"]) > 1.0  # so DeepSpeed's clipping ran, on the norm over all DP x SP ranks
+    for res in results:
+        assert res["engine_topology_is_registered"] and res["deepspeed_initialize_restored"]
+        assert res["steps"] == ref["steps"]
+        for name in ("loss", "grad_norm"):
+            errors = [_rel(g, w) for g, w in zip(res[name], ref[name])]
+            assert max(errors) < 1e-5, (name, res[name], ref[name])
+        assert res["params"].keys() == ref["params"].keys()
+        worst = max(((res["params"][n] - w).norm() / w.norm()).item() for n, w in ref["params"].items())
+        assert worst < 1e-5, worst
+
+
+@pytest.mark.parametrize("stage,grid,micro,pack", [(1, ("2", "2"), 2, False), (3, ("1", "2"), 1, False),
+                                                   (2, ("2", "2"), 2, True)])
+def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tuple[str, str], micro: int,
+                                    pack: bool) -> None:
+    """U2xR2 (ZeRO-1), DP2 x R2 (ZeRO-3) and packed documents at U2xR2 (ZeRO-2) on 4 ranks
+    vs the plain Trainer with sdpa on 1 rank.
+
+    ZeRO 1/2 sum gradients over the SP ranks and ZeRO-3 averages them (two loss scalings);
+    DP = 2 checks that the replicas split the samples and that the token count spans them;
+    packed: DataCollatorWithFlattening rows (documents of unequal length, so the SP ranks
+    hold unequal numbers of valid tokens) against sdpa's own packed-sequence masking.
+    """
+    _example()  # the rank functions import it by module name
+    common = [*TINY, "--zero-stage", str(stage), *(["--pack-documents"] if pack else [])]
+    sp = pools.get(4, env=DS_ENV).run(
+        train_case, [*common, "--ulysses-size", grid[0], "--ring-size", grid[1], "--micro-batch", str(micro)],
+        str(tmp_path / "sp"), timeout=300)
+    dp = sp[0]["dp_size"]
+    assert [res["dp_size"] for res in sp] == [4 // (int(grid[0]) * int(grid[1]))] * 4
+    assert all(res["zero_stage"] == stage for res in sp)
+    (ref,) = pools.get(1, env=DS_ENV).run(
+        train_case, [*common, "--no-ring-sp", "--micro-batch", str(micro * dp)], str(tmp_path / "ref"), timeout=300)
+    _compare(sp, ref)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        yield {"input_ids": torch.zeros(64, dtype=torch.long)}
+
+
+def test_trainer_checkpoint_resumes(pools, tmp_path: Path) -> None:
+    """U2xR2: a Trainer checkpoint at step 2 (DeepSpeed state, data position, RNG) resumed gives step 3 again."""
+    _example()
+    args = [*TINY, "--ulysses-size", "2", "--ring-size", "2", "--micro-batch", "2", "--save-steps", "2"]
+    pool = pools.get(4, env=DS_ENV)
+    continuous = pool.run(train_case, args, str(tmp_path), timeout=300)
+    resumed = pool.run(train_case, args, str(tmp_path / "again"), str(tmp_path / "checkpoint-2"), timeout=300)
+    for full, rest in zip(continuous, resumed):
+        # the resumed state's log holds steps 1-2 from the checkpoint; only step 3 is trained again
+        assert full["steps"] == rest["steps"] == [1, 2, 3], (full["steps"], rest["steps"])
+        assert (full["trained"], rest["trained"]) == (3, 1)
+        assert _rel(rest["loss"][2], full["loss"][2]) < 1e-6, (rest["loss"], full["loss"])
+        worst = max(((rest["params"][n] - w).norm() / w.norm()).item() for n, w in full["params"].items())
+        assert worst < 1e-6, worst
+
+
+def errors_case() -> dict[str, str]:
+    """What SequenceParallelTrainer refuses, on one rank (U1 x R1), before any training."""
+    from transformers import AutoModelForCausalLM
+
+    from ring_sp.integrations.transformers.trainer import SequenceParallelTrainer
+
+    _prepare_rank()
+    ex = _example()
+    trainer = ex.build_trainer([*TINY, "--ulysses-size", "1", "--ring-size", "1", "--micro-batch", "1",
+                                "--output-dir", "unused"])
+    model, args, data = trainer.model, trainer.args, trainer.train_dataset
+    errors = {}
+
+    def refused(name: str, **kwargs: Any) -> None:
+        # fresh TrainingArguments: accelerate allows one Accelerator with a DeepSpeed plugin per state
+        options = {"train_sampling_strategy": kwargs.pop("train_sampling_strategy", "random")}
+        try:
+            SequenceParallelTrainer(**{"model": model, "args": dataclasses.replace(args, **options),
+                                       "train_dataset": data, **kwargs})
+        except ValueError as exc:
+            errors[name] = str(exc)
+
+    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), attn_implementation="sdpa")
+    refused("attention", model=sdpa)
+    refused("metrics", compute_metrics=lambda pred: {})
+    refused("sampling", train_sampling_strategy="group_by_length")
+    refused("iterable", train_dataset=_Stream())
+    try:
+        trainer.evaluate(eval_dataset=data)
+    except ValueError as exc:
+        errors["evaluate"] = str(exc)
+    return errors
+
+
+def test_unsupported_setups_raise(pools) -> None:
+    _example()
+    (errors,) = pools.get(1, env=DS_ENV).run(errors_case, timeout=300)
+    assert "the model's attn_implementation is 'sdpa'; build it with attn_implementation=\"ring_sp\"" in errors["attention"]
+    assert "does not support compute_metrics" in errors["metrics"]
+    assert "does not support train_sampling_strategy='group_by_length'" in errors["sampling"]
+    assert "does not support an IterableDataset" in errors["iterable"]
+    assert "SequenceParallelTrainer.evaluate is not supported" in errors["evaluate"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_example_runs_and_saves_a_plain_transformers_model(tmp_path: Path) -> None:
+    """train_llama_trainer.sh --cpu: the launcher, JSON lines on stdout, save_model loading without ring_sp.
+
+    Two ranks (U1 x R2) keep it cheap: the 4-rank grids are checked above on the pools.
+    """
+    from transformers import AutoModelForCausalLM
+
+    env = {**os.environ, "MASTER_PORT": str(_free_port()), "PYTHON": sys.executable, "NUM_RANKS": "2"}
+    args = [*MODEL, "--steps", "2", "--micro-batch", "2", "--ulysses-size", "1", "--ring-size", "2", "--log-json",
+            "--save", "--output-dir", str(tmp_path)]
+    proc = subprocess.run([str(EXAMPLE / "train_llama_trainer.sh"), "--cpu", *args], env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]  # stdout carries only JSON lines
+    assert [r["step"] for r in lines] == [1, 2] and all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in lines), lines
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)  # plain transformers: nothing registered here
+    assert model.config.num_key_value_heads == 2 and model.config._attn_implementation != "ring_sp"
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.arange(64).unsqueeze(0)).logits).all()

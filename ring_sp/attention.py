@@ -26,6 +26,8 @@ from .agreement import CallSignature, agree, validation_requested
 from .function import SequenceParallelFunction, UlyssesSpec
 from .kernels import get_kernel
 from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_reorder
+from .recompute import plan as recompute_plan
+from .recompute import reuse_requested
 from .ring import RingSpec, ring_comm_for
 from .topology import SequenceParallelTopology
 from .validation import check_cu_seqlens, check_group, check_local_length, check_options, check_qkv, resolve_scale
@@ -99,12 +101,14 @@ def _attention(
     return_lse: bool,
     validate: bool | None,
     cu_seqlens: torch.Tensor | list[int] | None,
+    reuse_on_recompute: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
     options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
     always = validation_requested(validate)
     boundaries = None
     try:
+        reuse = reuse_requested(reuse_on_recompute)
         check_cu_seqlens(cu_seqlens)
         boundaries = as_boundaries(cu_seqlens)
         ring, ulysses = _prepare(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, return_lse=return_lse,
@@ -121,7 +125,11 @@ def _attention(
         agree(agreement_group, signature, error, always=always, device=device)
     if error is not None:
         raise error
-    return SequenceParallelFunction.apply(q, k, v, ring, ulysses)
+    # Everything the result depends on besides the values of q, k, v (ring_sp.recompute).
+    key = (tuple(sorted(options.items())), boundaries, id(ulysses_group), id(ring_group),
+           *((t.shape, t.dtype, t.stride()) for t in (q, k, v)), q.device)
+    recompute = recompute_plan(q, k, v, key, reuse)
+    return SequenceParallelFunction.apply(q, k, v, ring, ulysses, recompute)
 
 
 def _group_or_world(group: dist.ProcessGroup | None, name: str = "group") -> dist.ProcessGroup:
@@ -142,6 +150,7 @@ def ring_attention(
     return_lse: bool = False,
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    reuse_on_recompute: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ring attention over ``group`` (None = the default group).
 
@@ -154,11 +163,15 @@ def ring_attention(
     ``cu_seqlens``: packed sequences - int ``[num_docs + 1]`` boundaries of the documents
     in the GLOBAL sequence, the same on every rank; a token attends only inside its own
     document (``layout="document_zigzag"`` balances causal work for any document mix).
+    ``reuse_on_recompute``: when activation checkpointing re-runs this call in backward,
+    reuse the first run's output and lse instead of running the ring again (default on;
+    ``RING_SP_REUSE_ON_RECOMPUTE=0`` turns it off globally; see :mod:`ring_sp.recompute`).
     """
     ring_group = _group_or_world(group)
     out, lse = _attention(q, k, v, ulysses_group=None, ring_group=ring_group, agreement_group=ring_group,
                           causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                          return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens)
+                          return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens,
+                          reuse_on_recompute=reuse_on_recompute)
     return (out, lse) if return_lse else out
 
 
@@ -174,6 +187,7 @@ def ulysses_attention(
     backend: str = "auto",
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    reuse_on_recompute: bool | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention over ``group`` (None = the default group).
 
@@ -181,12 +195,13 @@ def ulysses_attention(
     (every layout works: the all-to-all output is put back in natural order). Needs
     ``h % U == 0`` and ``h_kv % U == 0`` or ``U % h_kv == 0`` (KV heads are then
     replicated only to the ranks that need them). Returns ``[b, n, h, d]``.
-    ``validate`` and ``cu_seqlens``: as in :func:`ring_attention`.
+    ``validate``, ``cu_seqlens`` and ``reuse_on_recompute``: as in :func:`ring_attention`.
     """
     ulysses_group = _group_or_world(group)
     return _attention(q, k, v, ulysses_group=ulysses_group, ring_group=None, agreement_group=ulysses_group,
                       causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                      return_lse=False, validate=validate, cu_seqlens=cu_seqlens)[0]
+                      return_lse=False, validate=validate, cu_seqlens=cu_seqlens,
+                      reuse_on_recompute=reuse_on_recompute)[0]
 
 
 def hybrid_attention(
@@ -201,6 +216,7 @@ def hybrid_attention(
     backend: str = "auto",
     validate: bool | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    reuse_on_recompute: bool | None = None,
 ) -> torch.Tensor:
     """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
 
@@ -209,8 +225,8 @@ def hybrid_attention(
     Ulysses all-to-all over U (heads must split: ``h % U == 0``), ring attention over R
     on ``h/U`` heads with un-replicated KV, then back. ``contiguous`` and ``zigzag`` work
     for every ``U x R``; ``striped`` when U == 1 or R == 1. Returns ``[b, n, h, d]``.
-    ``validate`` and ``cu_seqlens``: as in :func:`ring_attention` (``document_zigzag``
-    works for every ``U x R``).
+    ``validate``, ``cu_seqlens`` and ``reuse_on_recompute``: as in :func:`ring_attention`
+    (``document_zigzag`` works for every ``U x R``).
     """
     if not isinstance(topology, SequenceParallelTopology):
         raise TypeError(
@@ -219,4 +235,5 @@ def hybrid_attention(
         )
     return _attention(q, k, v, ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
                       agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
-                      backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens)[0]
+                      backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens,
+                      reuse_on_recompute=reuse_on_recompute)[0]

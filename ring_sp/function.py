@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .kernels import softmax_stat_dtype
 from .layouts import Reorder
+from .recompute import RecomputePlan
 from .ring import RingSpec, ring_backward, ring_forward
 from .ulysses import head_to_seq, pack_kv, seq_to_head, unpack_kv, unpack_kv_grads
 
@@ -33,12 +34,21 @@ class SequenceParallelFunction(torch.autograd.Function):
     """(q, k, v) shards -> (out shard, lse); lse is only meaningful without Ulysses."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec, ulysses: UlyssesSpec | None):
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec, ulysses: UlyssesSpec | None,
+                recompute: RecomputePlan | None = None):
         kv_heads = k.shape[2]
         if ulysses is not None:
+            # Also on a checkpoint's re-run: the backward needs q and k/v in head layout, and
+            # re-sending them costs less than keeping them from the first run.
             q = seq_to_head(q, ulysses.group, ulysses.reorder, "ulysses_a2a_q")
             k, v = unpack_kv(seq_to_head(pack_kv(k, v, ulysses.size), ulysses.group, ulysses.reorder, "ulysses_a2a_kv"))
-        out, lse = ring_forward(q, k, v, ring)
+        # Recompute (ring_sp.recompute): a checkpoint's re-run gets the first run's out/lse
+        # back instead of running the ring again; a first run keeps them for that re-run.
+        reused = recompute.reused if recompute is not None else None
+        out, lse = ring_forward(q, k, v, ring) if reused is None else reused
+        if recompute is not None:
+            recompute.reused = None
+            recompute.kept(ctx, out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.ulysses, ctx.kv_heads = ring, ulysses, kv_heads
         ctx.mark_non_differentiable(lse)
@@ -57,11 +67,11 @@ class SequenceParallelFunction(torch.autograd.Function):
         acc_dtype = softmax_stat_dtype(dtype)
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, acc_dtype if replicated else dtype)
         if ulysses is None:
-            return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None
+            return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
         dq = head_to_seq(dq.to(dtype), ulysses.group, ulysses.reorder, "ulysses_a2a_dq")
         # [b, U*n, 2*m, d], the layout unpack_kv split. Replicated KV heads: their gradients
         # travel in fp32 and are summed over the replicas before the single rounding.
         d_packed = torch.cat((dk, dv), dim=2).to(acc_dtype if replicated else dtype)
         d_packed = head_to_seq(d_packed, ulysses.group, ulysses.reorder, "ulysses_a2a_dkv")
         dk, dv = unpack_kv_grads(d_packed, ctx.kv_heads, ulysses.size)
-        return dq, dk.to(dtype), dv.to(dtype), None, None
+        return dq, dk.to(dtype), dv.to(dtype), None, None, None

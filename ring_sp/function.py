@@ -18,7 +18,8 @@ from .kernels import softmax_stat_dtype
 from .layouts import Reorder
 from .recompute import RecomputePlan
 from .ring import RingSpec, ring_backward, ring_forward
-from .ulysses import head_to_seq, pack_kv, seq_to_head, unpack_kv, unpack_kv_grads
+from .ulysses import (exchange, head_send_buffer, head_to_seq, kv_grads_from_recv, kv_grads_send_buffer, pack_kv,
+                      seq_from_recv, seq_to_head, unpack_kv)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class SequenceParallelFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.ulysses, ctx.kv_heads = ring, ulysses, kv_heads
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for lse in backward (memory)
         if ulysses is not None:
             out = head_to_seq(out, ulysses.group, ulysses.reorder, "ulysses_a2a_out")
         return out, lse
@@ -61,17 +63,31 @@ class SequenceParallelFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ulysses: UlyssesSpec | None = ctx.ulysses
         dtype = q.dtype
-        if ulysses is not None:
-            dout = seq_to_head(dout.contiguous(), ulysses.group, ulysses.reorder, "ulysses_a2a_dout")
-        replicated = ulysses is not None and ctx.kv_heads % ulysses.size != 0
+        if ulysses is None:
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, dtype)
+            return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
+        group, order, u = ulysses.group, ulysses.reorder, ulysses.size
+        dout = seq_to_head(dout, group, order, "ulysses_a2a_dout")
+        replicated = ctx.kv_heads % u != 0
         acc_dtype = softmax_stat_dtype(dtype)
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, acc_dtype if replicated else dtype)
-        if ulysses is None:
-            return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
-        dq = head_to_seq(dq.to(dtype), ulysses.group, ulysses.reorder, "ulysses_a2a_dq")
-        # [b, U*n, 2*m, d], the layout unpack_kv split. Replicated KV heads: their gradients
-        # travel in fp32 and are summed over the replicas before the single rounding.
-        d_packed = torch.cat((dk, dv), dim=2).to(acc_dtype if replicated else dtype)
-        d_packed = head_to_seq(d_packed, ulysses.group, ulysses.reorder, "ulysses_a2a_dkv")
-        dk, dv = unpack_kv_grads(d_packed, ctx.kv_heads, ulysses.size)
+        # Memory: the saved q, k/v, out stay alive until this function returns, so every buffer
+        # below is dropped as soon as the next one exists (``del``), keeping the peak at the
+        # kernel's backward (as in DeepSpeed's DistributedAttention, whose saved tensors go
+        # before its gradient all-to-alls), not at the all-to-alls.
+        del dout
+        send = head_send_buffer(dq.to(dtype), u, order)  # dq rounded once, then sent
+        del dq
+        recv = exchange(send, group, "ulysses_a2a_dq")
+        del send
+        dq = seq_from_recv(recv)
+        del recv
+        # dk and dv written straight into the packed send buffer (no cat). Replicated KV heads:
+        # their gradients travel in fp32 and are summed over the replicas before the single rounding.
+        send = kv_grads_send_buffer(dk, dv, u, order, acc_dtype if replicated else dtype)
+        del dk, dv
+        recv = exchange(send, group, "ulysses_a2a_dkv")
+        del send
+        dk, dv = kv_grads_from_recv(recv, ctx.kv_heads)
+        del recv
         return dq, dk.to(dtype), dv.to(dtype), None, None, None

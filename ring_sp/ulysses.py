@@ -5,7 +5,9 @@ becomes ``[b, U*n, H/U, d]`` (the group's U*n tokens, this rank's H/U heads): ra
 sends head group j to rank j and receives rank j's tokens of head group u. The gathered
 tokens come in Ulysses-rank order; an optional ``Reorder`` then puts them in the ring's
 layout (:func:`ring_sp.layouts.ulysses_to_ring_order`). The backward of one all-to-all
-is the other, which :mod:`ring_sp.function` calls explicitly.
+is the other, which :mod:`ring_sp.function` calls explicitly; the backward uses the pieces
+(:func:`head_send_buffer`, :func:`exchange`, :func:`seq_from_recv`) to drop each buffer as
+soon as the next exists.
 
 KV heads: with ``h_kv % U == 0`` each rank receives its ``h_kv / U`` heads. With
 ``U % h_kv == 0`` each rank needs ONE KV head (``u * h_kv // U``) and we send exactly
@@ -25,9 +27,7 @@ def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None
     """[b, n, H, d] -> [b, U*n, H/U, d] (tokens reordered by ``order`` if given)."""
     u = dist.get_world_size(group)
     b, n, heads, d = x.shape
-    send = x.reshape(b, n, u, heads // u, d).permute(2, 0, 1, 3, 4).contiguous()  # [dst, b, n, H/U, d]
-    recv = torch.empty_like(send)  # [src, b, n, H/U, d]
-    all_to_all_equal(recv, send, group, kind)
+    recv = exchange(x.reshape(b, n, u, heads // u, d).permute(2, 0, 1, 3, 4).contiguous(), group, kind)  # [src, b, n, H/U, d]
     gathered = recv.permute(1, 0, 2, 3, 4).reshape(b, u * n, heads // u, d)
     return gathered if order is None else gathered.index_select(1, order.index)
 
@@ -35,13 +35,28 @@ def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None
 def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str) -> torch.Tensor:
     """Inverse of :func:`seq_to_head`: [b, U*n, H/U, d] -> [b, n, H, d]."""
     u = dist.get_world_size(group)
+    return seq_from_recv(exchange(head_send_buffer(y, u, order), group, kind))
+
+
+def head_send_buffer(y: torch.Tensor, ulysses_size: int, order: Reorder | None) -> torch.Tensor:
+    """[b, U*n, H/U, d] -> the all-to-all's send buffer [dst, b, n, H/U, d], tokens back in
+    Ulysses-rank order. No copy when y already is that buffer (b == 1, no reorder, contiguous)."""
     if order is not None:
         y = y.index_select(1, order.inverse)
     b, un, heads_local, d = y.shape
-    n = un // u
-    send = y.reshape(b, u, n, heads_local, d).permute(1, 0, 2, 3, 4).contiguous()  # [dst, b, n, H/U, d]
-    recv = torch.empty_like(send)  # [src = head group, b, n, H/U, d]
+    return y.reshape(b, ulysses_size, un // ulysses_size, heads_local, d).transpose(0, 1).contiguous()
+
+
+def exchange(send: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+    """One all-to-all of equal chunks along dim 0 into a new buffer of send's shape."""
+    recv = torch.empty_like(send)
     all_to_all_equal(recv, send, group, kind)
+    return recv
+
+
+def seq_from_recv(recv: torch.Tensor) -> torch.Tensor:
+    """[src = head group, b, n, H/U, d] -> [b, n, H, d] (one copy)."""
+    u, b, n, heads_local, d = recv.shape
     return recv.permute(1, 2, 0, 3, 4).reshape(b, n, u * heads_local, d)
 
 
@@ -75,15 +90,30 @@ def unpack_kv(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed[:, :, :m], packed[:, :, m:]
 
 
-def unpack_kv_grads(d_packed: torch.Tensor, kv_heads: int, ulysses_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Adjoint of :func:`pack_kv`: ``[b, n, U*2*m, d]`` -> dk, dv ``[b, n, h_kv, d]``, summing the
-    gradients of replicated heads (in ``d_packed``'s dtype: pass float32 to sum exactly)."""
-    b, n, _, d = d_packed.shape
+def kv_grads_send_buffer(dk: torch.Tensor, dv: torch.Tensor, ulysses_size: int, order: Reorder | None,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Adjoint of :func:`unpack_kv` and the head-to-sequence send in one step: dk, dv
+    ``[b, U*n, m, d]`` (ring order) -> ``[dst, b, n, 2*m, d]`` in ``dtype``, each destination's
+    m k heads then its m v heads (the layout :func:`pack_kv` sent). Written straight into the
+    buffer: no ``cat`` of dk and dv, no separate cast."""
+    if order is not None:
+        dk, dv = dk.index_select(1, order.inverse), dv.index_select(1, order.inverse)
+    b, un, m, d = dk.shape
     u = ulysses_size
-    m = kv_heads_per_rank(kv_heads, u)
-    grads = d_packed.reshape(b, n, u, 2, m, d)
-    dk, dv = grads[:, :, :, 0].reshape(b, n, u * m, d), grads[:, :, :, 1].reshape(b, n, u * m, d)
-    index = _replication_index(kv_heads, u, d_packed.device)
+    send = torch.empty((u, b, un // u, 2, m, d), dtype=dtype, device=dk.device)
+    send[:, :, :, 0].copy_(dk.unflatten(1, (u, un // u)).transpose(0, 1))
+    send[:, :, :, 1].copy_(dv.unflatten(1, (u, un // u)).transpose(0, 1))
+    return send.flatten(3, 4)
+
+
+def kv_grads_from_recv(recv: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adjoint of :func:`pack_kv` on the received ``[src, b, n, 2*m, d]``: dk, dv ``[b, n, h_kv, d]``,
+    summing the gradients of replicated heads (in ``recv``'s dtype: pass float32 to sum exactly)."""
+    u, b, n, two_m, d = recv.shape
+    m = two_m // 2
+    grads = recv.unflatten(3, (2, m))  # [src, b, n, 2, m, d]
+    dk, dv = (grads[:, :, :, i].permute(1, 2, 0, 3, 4).reshape(b, n, u * m, d) for i in (0, 1))
+    index = _replication_index(kv_heads, u, recv.device)
     if index is None:
         return dk, dv
     summed_k = torch.zeros((b, n, kv_heads, d), dtype=dk.dtype, device=dk.device).index_add_(2, index, dk)

@@ -18,8 +18,8 @@ from .kernels import softmax_stat_dtype
 from .layouts import Reorder
 from .recompute import RecomputePlan
 from .ring import RingSpec, ring_backward, ring_forward
-from .ulysses import (exchange, head_send_buffer, head_to_seq, kv_grads_from_recv, kv_grads_send_buffer, pack_kv,
-                      seq_from_recv, seq_to_head, unpack_kv)
+from .ulysses import (exchange, head_from_recv, head_send_buffer, head_to_seq, kv_grads_from_recv,
+                      kv_grads_send_buffer, pack_kv, seq_from_recv, seq_to_head, unpack_kv)
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,9 @@ class SequenceParallelFunction(torch.autograd.Function):
             # Also on a checkpoint's re-run: the backward needs q and k/v in head layout, and
             # re-sending them costs less than keeping them from the first run.
             q = seq_to_head(q, ulysses.group, ulysses.reorder, "ulysses_a2a_q")
-            k, v = unpack_kv(seq_to_head(pack_kv(k, v, ulysses.size), ulysses.group, ulysses.reorder, "ulysses_a2a_kv"))
+            packed = exchange(pack_kv(k, v, ulysses.size), ulysses.group, "ulysses_a2a_kv")
+            k, v = unpack_kv(head_from_recv(packed, ulysses.reorder))
+            del packed
         # Recompute (ring_sp.recompute): a checkpoint's re-run gets the first run's out/lse
         # back instead of running the ring again; a first run keeps them for that re-run.
         reused = recompute.reused if recompute is not None else None

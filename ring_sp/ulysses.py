@@ -25,10 +25,16 @@ from .layouts import Reorder
 
 def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str) -> torch.Tensor:
     """[b, n, H, d] -> [b, U*n, H/U, d] (tokens reordered by ``order`` if given)."""
-    u = dist.get_world_size(group)
     b, n, heads, d = x.shape
-    recv = exchange(x.reshape(b, n, u, heads // u, d).permute(2, 0, 1, 3, 4).contiguous(), group, kind)  # [src, b, n, H/U, d]
-    gathered = recv.permute(1, 0, 2, 3, 4).reshape(b, u * n, heads // u, d)
+    u = dist.get_world_size(group)
+    send = x.reshape(b, n, u, heads // u, d).permute(2, 0, 1, 3, 4).contiguous()  # [dst, b, n, H/U, d]
+    return head_from_recv(exchange(send, group, kind), order)
+
+
+def head_from_recv(recv: torch.Tensor, order: Reorder | None) -> torch.Tensor:
+    """[src, b, n, H/U, d] -> [b, U*n, H/U, d] in ``order`` (a view when b == 1 and no reorder)."""
+    u, b, n, heads_local, d = recv.shape
+    gathered = recv.transpose(0, 1).reshape(b, u * n, heads_local, d)
     return gathered if order is None else gathered.index_select(1, order.index)
 
 
@@ -73,19 +79,23 @@ def _replication_index(kv_heads: int, ulysses_size: int, device: torch.device) -
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor, ulysses_size: int) -> torch.Tensor:
-    """k, v ``[b, n, h_kv, d]`` -> ``[b, n, U*2*m, d]``: per destination rank its m k heads then
-    its m v heads, so ONE all-to-all moves both (``m = kv_heads_per_rank``)."""
+    """k, v ``[b, n, h_kv, d]`` -> the all-to-all's send buffer ``[dst, b, n, 2*m, d]``: per
+    destination rank its m k heads then its m v heads, so ONE all-to-all moves both
+    (``m = kv_heads_per_rank``). k and v are copied once, straight into place."""
     b, n, kv_heads, d = k.shape
     index = _replication_index(kv_heads, ulysses_size, k.device)
     if index is not None:
         k, v = k.index_select(2, index), v.index_select(2, index)
     m = kv_heads_per_rank(kv_heads, ulysses_size)
     u = ulysses_size
-    return torch.stack((k.reshape(b, n, u, m, d), v.reshape(b, n, u, m, d)), dim=3).reshape(b, n, u * 2 * m, d)
+    send = torch.empty((u, b, n, 2, m, d), dtype=k.dtype, device=k.device)
+    send[:, :, :, 0].copy_(k.reshape(b, n, u, m, d).permute(2, 0, 1, 3, 4))
+    send[:, :, :, 1].copy_(v.reshape(b, n, u, m, d).permute(2, 0, 1, 3, 4))
+    return send.flatten(3, 4)
 
 
 def unpack_kv(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the all-to-all: ``[b, U*n, 2*m, d]`` -> k, v ``[b, U*n, m, d]`` (views)."""
+    """After the all-to-all and :func:`head_from_recv`: ``[b, U*n, 2*m, d]`` -> k, v ``[b, U*n, m, d]`` (views)."""
     m = packed.shape[2] // 2
     return packed[:, :, :m], packed[:, :, m:]
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import CallSignature, agree, validation_requested
-from .function import SequenceParallelFunction, UlyssesSpec
+from .function import UlyssesSpec, sequence_parallel_attention
 from .kernels import get_kernel
 from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_reorder
 from .recompute import plan as recompute_plan
@@ -129,7 +129,7 @@ def _attention(
     key = (tuple(sorted(options.items())), boundaries, id(ulysses_group), id(ring_group),
            *((t.shape, t.dtype, t.stride()) for t in (q, k, v)), q.device)
     recompute = recompute_plan(q, k, v, key, reuse)
-    return SequenceParallelFunction.apply(q, k, v, ring, ulysses, recompute)
+    return sequence_parallel_attention(q, k, v, ring, ulysses, recompute)
 
 
 def _group_or_world(group: dist.ProcessGroup | None, name: str = "group") -> dist.ProcessGroup:

@@ -1,10 +1,14 @@
-"""The one autograd Function behind every mode: Ulysses all-to-all (U > 1), ring (R >= 1), back.
+"""Every mode's autograd: Ulysses all-to-all (U > 1), the ring (R >= 1), back.
 
-Forward: q and the packed KV go sequence -> head shard (reordered into the ring layout),
-the ring loop runs on ``H/U`` heads, the output goes head -> sequence shard. Backward runs
-the mirror image explicitly, which is what lets gradients stay in float32 until their last
-reduction: dq and un-replicated dk/dv are rounded once, then sent; dk/dv of REPLICATED KV
-heads (U > h_kv) travel in float32 and are summed over replicas before the single rounding.
+:func:`sequence_parallel_attention` chains three nodes, as DeepSpeed's DistributedAttention
+does, so that each frees its buffers before the next runs in backward (the backward peak is
+the kernel's): :class:`InputsToHeads` (q and the packed KV go sequence -> head shard,
+reordered into the ring layout), :class:`SequenceParallelFunction` (the ring on ``H/U``
+heads; the only node that saves tensors; recompute-aware, see :mod:`ring_sp.recompute`) and
+:class:`OutputToSequence` (head -> sequence shard). Without Ulysses only the middle one runs.
+Gradients stay in float32 until their last reduction: dq and un-replicated dk/dv are rounded
+once, then sent; dk/dv of REPLICATED KV heads (U > h_kv) travel in float32 (handed past
+autograd's cast by :class:`_KVGradLink`) and are summed over replicas before the single rounding.
 """
 
 from __future__ import annotations
@@ -31,20 +35,97 @@ class UlyssesSpec:
     reorder: Reorder | None
 
 
-class SequenceParallelFunction(torch.autograd.Function):
-    """(q, k, v) shards -> (out shard, lse); lse is only meaningful without Ulysses."""
+def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec,
+                                ulysses: UlyssesSpec | None,
+                                recompute: RecomputePlan | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, k, v) shards -> (out shard, lse); lse is only meaningful without Ulysses.
+
+    With Ulysses, three autograd nodes as in DeepSpeed's DistributedAttention: the inputs'
+    all-to-alls, the ring, the output's all-to-all. The engine frees the ring's saved
+    tensors (head-sharded q, k/v, out) and its incoming gradient before the gradients'
+    all-to-alls run, so the backward peak is the kernel's, not the all-to-alls'.
+    """
+    if ulysses is None:
+        return SequenceParallelFunction.apply(q, k, v, ring, None, recompute)
+    link = _KVGradLink()
+    q, k, v = InputsToHeads.apply(q, k, v, ulysses, link)
+    out, lse = SequenceParallelFunction.apply(q, k, v, ring, link, recompute)
+    return OutputToSequence.apply(out, ulysses), lse
+
+
+class _KVGradLink:
+    """Hands float32 dk/dv of REPLICATED KV heads from the ring's backward to the
+    all-to-all's, past autograd (which would round them to k's dtype first): they are
+    summed over the replicas in float32 and rounded once (DESIGN section 4)."""
+
+    def __init__(self) -> None:
+        self.replicated = False
+        self.grads: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class InputsToHeads(torch.autograd.Function):
+    """q and the packed k/v: sequence -> head shard, in the ring's layout. Backward: dq and
+    the packed dk/dv back, each buffer dropped as soon as the next one exists."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec, ulysses: UlyssesSpec | None,
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses: UlyssesSpec, link: _KVGradLink):
+        ctx.ulysses, ctx.link, ctx.kv_heads, ctx.dtype = ulysses, link, k.shape[2], k.dtype
+        link.replicated = k.shape[2] % ulysses.size != 0
+        ctx.set_materialize_grads(False)
+        # Also on a checkpoint's re-run (ring_sp.recompute): the ring's backward needs q and
+        # k/v in head layout, and re-sending them costs less than keeping them.
+        q = seq_to_head(q, ulysses.group, ulysses.reorder, "ulysses_a2a_q")
+        packed = exchange(pack_kv(k, v, ulysses.size), ulysses.group, "ulysses_a2a_kv")
+        k, v = unpack_kv(head_from_recv(packed, ulysses.reorder))
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None):
+        ulysses: UlyssesSpec = ctx.ulysses
+        group, order, u = ulysses.group, ulysses.reorder, ulysses.size
+        if ctx.link.grads is not None:
+            dk, dv = ctx.link.grads
+            ctx.link.grads = None
+        if dq is not None:
+            send = head_send_buffer(dq, u, order)
+            del dq
+            recv = exchange(send, group, "ulysses_a2a_dq")
+            del send
+            dq = seq_from_recv(recv)
+            del recv
+        if dk is None:
+            return dq, None, None, None, None
+        # dk and dv written straight into the packed send buffer (no cat); replicated KV
+        # heads' gradients travel in float32 and are summed before the single rounding.
+        send = kv_grads_send_buffer(dk, dv, u, order, dk.dtype)
+        del dk, dv
+        recv = exchange(send, group, "ulysses_a2a_dkv")
+        del send
+        dk, dv = kv_grads_from_recv(recv, ctx.kv_heads)
+        del recv
+        return dq, dk.to(ctx.dtype), dv.to(ctx.dtype), None, None
+
+
+class OutputToSequence(torch.autograd.Function):
+    """The output's all-to-all (head -> sequence shard); backward sends dout to head layout."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, ulysses: UlyssesSpec) -> torch.Tensor:
+        ctx.ulysses = ulysses
+        return head_to_seq(out, ulysses.group, ulysses.reorder, "ulysses_a2a_out")
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        ulysses: UlyssesSpec = ctx.ulysses
+        return seq_to_head(dout, ulysses.group, ulysses.reorder, "ulysses_a2a_dout"), None
+
+
+class SequenceParallelFunction(torch.autograd.Function):
+    """The ring on (head-sharded, with Ulysses) q, k, v -> (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec, link: _KVGradLink | None,
                 recompute: RecomputePlan | None = None):
-        kv_heads = k.shape[2]
-        if ulysses is not None:
-            # Also on a checkpoint's re-run: the backward needs q and k/v in head layout, and
-            # re-sending them costs less than keeping them from the first run.
-            q = seq_to_head(q, ulysses.group, ulysses.reorder, "ulysses_a2a_q")
-            packed = exchange(pack_kv(k, v, ulysses.size), ulysses.group, "ulysses_a2a_kv")
-            k, v = unpack_kv(head_from_recv(packed, ulysses.reorder))
-            del packed
         # Recompute (ring_sp.recompute): a checkpoint's re-run gets the first run's out/lse
         # back instead of running the ring again; a first run keeps them for that re-run.
         reused = recompute.reused if recompute is not None else None
@@ -53,43 +134,20 @@ class SequenceParallelFunction(torch.autograd.Function):
             recompute.reused = None
             recompute.kept(ctx, out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.ulysses, ctx.kv_heads = ring, ulysses, kv_heads
+        ctx.ring, ctx.link = ring, link
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse in backward (memory)
-        if ulysses is not None:
-            out = head_to_seq(out, ulysses.group, ulysses.reorder, "ulysses_a2a_out")
         return out, lse
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor, _dlse: torch.Tensor | None):
         q, k, v, out, lse = ctx.saved_tensors
-        ulysses: UlyssesSpec | None = ctx.ulysses
         dtype = q.dtype
-        if ulysses is None:
-            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, dtype)
-            return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None
-        group, order, u = ulysses.group, ulysses.reorder, ulysses.size
-        dout = seq_to_head(dout, group, order, "ulysses_a2a_dout")
-        replicated = ctx.kv_heads % u != 0
-        acc_dtype = softmax_stat_dtype(dtype)
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, acc_dtype if replicated else dtype)
-        # Memory: the saved q, k/v, out stay alive until this function returns, so every buffer
-        # below is dropped as soon as the next one exists (``del``), keeping the peak at the
-        # kernel's backward (as in DeepSpeed's DistributedAttention, whose saved tensors go
-        # before its gradient all-to-alls), not at the all-to-alls.
-        del dout
-        send = head_send_buffer(dq.to(dtype), u, order)  # dq rounded once, then sent
-        del dq
-        recv = exchange(send, group, "ulysses_a2a_dq")
-        del send
-        dq = seq_from_recv(recv)
-        del recv
-        # dk and dv written straight into the packed send buffer (no cat). Replicated KV heads:
-        # their gradients travel in fp32 and are summed over the replicas before the single rounding.
-        send = kv_grads_send_buffer(dk, dv, u, order, acc_dtype if replicated else dtype)
-        del dk, dv
-        recv = exchange(send, group, "ulysses_a2a_dkv")
-        del send
-        dk, dv = kv_grads_from_recv(recv, ctx.kv_heads)
-        del recv
-        return dq, dk.to(dtype), dv.to(dtype), None, None, None
+        link: _KVGradLink | None = ctx.link
+        via_link = link is not None and link.replicated and ctx.needs_input_grad[0]
+        deliver = softmax_stat_dtype(dtype) if via_link else dtype
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, deliver)
+        if via_link:
+            link.grads = (dk, dv)  # float32, to InputsToHeads' backward (which runs after this one)
+            return dq.to(dtype), None, None, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None

@@ -209,6 +209,15 @@ def targets(records: list[Record]) -> list[tuple[str, str, bool]]:
                       "in brackets the fastest repeats)",
                       ", ".join(f"N={r['seq_len']} {x:.3f} ({y:.3f})" for (r, _), x, y in zip(pairs, ratios, best)),
                       min(ratios) >= 1.0))
+    peaks = {r["mode"]: r["peak_bytes"] for r in _select(records, "profile") if "peak_bytes" in r}
+    if "Ulysses" in peaks and "DeepSpeed Ulysses" in peaks:
+        layer = {(r["mode"], r["seq_len"]): r["peak_bytes"] for r in _select(records, "activations") if "peak_bytes" in r}
+        ratios = [layer[("Ulysses", n)] / layer[("DeepSpeed Ulysses", n)] for (m, n) in layer
+                  if m == "Ulysses" and ("DeepSpeed Ulysses", n) in layer]
+        ratio = peaks["Ulysses"] / peaks["DeepSpeed Ulysses"]
+        found.append(("our Ulysses' peak memory <= DeepSpeed's (ours / DeepSpeed's: the call; inside a layer, every N)",
+                      f"{ratio:.3f}" + (f"; {min(ratios):.3f}-{max(ratios):.3f}" if ratios else ""),
+                      ratio <= 1.0 and all(x <= 1.0 for x in ratios)))
     hd = _select(records, "heads")
     if hd:
         cases = {(r["heads"], r["kv_heads"]) for r in hd}

@@ -28,6 +28,7 @@ import torch
 from .attention import check_ulysses_heads
 from .kernels import softmax_stat_dtype
 from .layouts import check_layout, ulysses_to_ring_order
+from .recompute import FINGERPRINT_BYTES
 from .schedule import ring_step_tasks
 from .topology import PLACEMENTS, rank_grid
 from .ulysses import kv_heads_per_rank
@@ -217,7 +218,7 @@ def attention_memory(*, ulysses: int, ring: int, batch: int, local_len: int, hea
         working += kv_shard * acc  # dk, dv
     if ulysses > 1:
         working += q_elems * elem  # dout in head layout
-    return AttentionMemory(kept=kept, kept_checkpointed=out_and_lse, working=working)
+    return AttentionMemory(kept=kept, kept_checkpointed=out_and_lse + FINGERPRINT_BYTES, working=working)
 
 
 @dataclass(frozen=True)

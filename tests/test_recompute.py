@@ -103,6 +103,7 @@ def test_fingerprint_tells_inputs_apart() -> None:
     nudged = x.clone()
     nudged[0, 3, 1, 2] += 1e-6
     base = recompute.fingerprint(x, x, x)
+    assert base.numel() * base.element_size() == recompute.FINGERPRINT_BYTES  # the planner's figure
     assert torch.equal(base, recompute.fingerprint(x.clone(), x, x))
     for other in (swapped, nudged):
         assert not torch.equal(base, recompute.fingerprint(other, x, x))

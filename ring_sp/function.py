@@ -144,6 +144,8 @@ class SequenceParallelFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dtype = q.dtype
         link: _KVGradLink | None = ctx.link
+        # (The link needs InputsToHeads' backward to run, which a dq guarantees; without one,
+        # replicated dk/dv take autograd's path and are rounded before the replica sum.)
         via_link = link is not None and link.replicated and ctx.needs_input_grad[0]
         deliver = softmax_stat_dtype(dtype) if via_link else dtype
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.ring, deliver)

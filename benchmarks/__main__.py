@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(records, args.out / "results.jsonl")
     figures = [plots.throughput(records, args.out / "throughput.png"),
                plots.memory_vs_world_size(records, args.out / "memory_vs_world_size.png"),
+               plots.memory_checkpointing(records, args.out / "memory_checkpointing.png"),
                plots.overlap(records, args.out / "overlap.png")]
     machine = (f"{torch.cuda.get_device_name()} GPUs, NCCL" if gpu else
                f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), gloo ranks with 1 thread each")

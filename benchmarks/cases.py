@@ -136,6 +136,39 @@ def profile_case(problem: Problem, modes: list[Mode], backend: str = "auto") -> 
     return _each(_prepare(problem, modes, backend), measure)
 
 
+def _checkpointed(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``attend`` under non-reentrant activation checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    return lambda q, k, v: checkpoint(attend, q, k, v, use_reentrant=False)
+
+
+def activation_case(problem: Problem, modes: list[Mode], backend: str = "auto") -> dict[str, Result]:
+    """Memory one attention layer keeps on this rank between its forward and its backward
+    (``kept``: alive after the forward, its returned output excluded: the next op owns that)
+    and the peak of forward+backward, plain and under activation checkpointing. The layer is
+    ``attend(q, k, v) * 1``, so the attention's own output is not the value returned, as in a
+    transformer layer whose projection follows."""
+
+    def layer(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return lambda q, k, v: attend(q, k, v) * 1.0
+
+    def measure(ready: Ready) -> Result:
+        q, k, v, dout = ready.shards
+        result: Result = {}
+        for name, call in (("plain", layer(ready.bound.attend)), ("checkpointed", _checkpointed(layer(ready.bound.attend)))):
+            with PeakMemory(device()) as memory:
+                out = call(q, k, v)
+                kept = memory.live_bytes - out.untyped_storage().nbytes()
+                out.backward(dout)
+                del out
+            ready.clear_grads()
+            result[name] = {"kept_bytes": kept, "peak_bytes": memory.peak_bytes}
+        return result
+
+    return _each(_prepare(problem, modes, backend), measure)
+
+
 def exactness_case(problem: Problem, modes: list[Mode], backend: str = "auto") -> dict[str, Result]:
     """Max |error| of this rank's out, dq, dk, dv against one rank running the whole
     sequence with the ``reference`` (plain PyTorch) kernel."""

@@ -79,6 +79,13 @@ class PeakMemory:
             self._mode.__enter__()
         return self
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes allocated inside the block and still alive now (call inside the block)."""
+        if self._mode is not None:
+            return self._mode.live
+        return torch.cuda.memory_allocated(self.device) - self._start
+
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._mode is not None:
             self._mode.__exit__(kind, exc, tb)

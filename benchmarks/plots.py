@@ -67,6 +67,31 @@ def memory_vs_world_size(records: list[Record], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def memory_checkpointing(records: list[Record], path: Path) -> Path | None:
+    """Per rank vs N: memory one attention layer keeps for its backward, and its peak, with
+    and without activation checkpointing; ours next to DeepSpeed's Ulysses."""
+    rows = [r for r in records if r["section"] == "activations" and "kept_bytes" in r]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    seq_lens = sorted({r["seq_len"] for r in rows})
+    for ax, what, title in ((axes[0], "kept_bytes", "kept per layer for backward"),
+                            (axes[1], "peak_bytes", "peak of one layer's fwd+bwd")):
+        for i, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
+            mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["seq_len"])
+            color = f"C{i}"
+            ax.plot([r["seq_len"] for r in mine], [r[what] / MiB for r in mine], "o-", color=color, label=mode)
+            ckpt = [(r["seq_len"], r[what + "_checkpointed"] / MiB) for r in mine if r[what + "_checkpointed"] > 0]
+            if ckpt:
+                ax.plot(*zip(*ckpt), "s--", color=color, label=f"{mode}, checkpointed")
+        _log_axes(ax, seq_lens)
+        ax.set(xlabel="sequence length N (tokens)", ylabel="MiB per rank", title=title)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"One attention layer on {rows[0]['world_size']} ranks (dashed: activation checkpointing; "
+                 "DeepSpeed keeps nothing then)", fontsize=9)
+    return _save(fig, path)
+
+
 def overlap(records: list[Record], path: Path) -> Path | None:
     rows = [r for r in records if r["section"] == "overlap"]
     if not rows:

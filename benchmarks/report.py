@@ -209,6 +209,15 @@ def targets(records: list[Record]) -> list[tuple[str, str, bool]]:
                       "in brackets the fastest repeats)",
                       ", ".join(f"N={r['seq_len']} {x:.3f} ({y:.3f})" for (r, _), x, y in zip(pairs, ratios, best)),
                       min(ratios) >= 1.0))
+    peaks = {r["mode"]: r["peak_bytes"] for r in _select(records, "profile") if "peak_bytes" in r}
+    if "Ulysses" in peaks and "DeepSpeed Ulysses" in peaks:
+        layer = {(r["mode"], r["seq_len"]): r["peak_bytes"] for r in _select(records, "activations") if "peak_bytes" in r}
+        ratios = [layer[("Ulysses", n)] / layer[("DeepSpeed Ulysses", n)] for (m, n) in layer
+                  if m == "Ulysses" and ("DeepSpeed Ulysses", n) in layer]
+        ratio = peaks["Ulysses"] / peaks["DeepSpeed Ulysses"]
+        found.append(("our Ulysses' peak memory <= DeepSpeed's (ours / DeepSpeed's: the call; inside a layer, every N)",
+                      f"{ratio:.3f}" + (f"; {min(ratios):.3f}-{max(ratios):.3f}" if ratios else ""),
+                      ratio <= 1.0 and all(x <= 1.0 for x in ratios)))
     hd = _select(records, "heads")
     if hd:
         cases = {(r["heads"], r["kv_heads"]) for r in hd}
@@ -221,10 +230,35 @@ def targets(records: list[Record]) -> list[tuple[str, str, bool]]:
     return found
 
 
+def activations_table(records: list[Record]) -> list[str]:
+    rows = [r for r in _select(records, "activations") if "error" not in r]
+    if not rows:
+        return []
+    body = []
+    for r in sorted(rows, key=lambda r: (r["mode"], r["seq_len"])):
+        model = r.get("model_kept_bytes")
+        body.append([
+            r["mode"], str(r["seq_len"]), f"{r['kept_bytes'] / MiB:.2f}",
+            f"{r['kept_bytes'] / model:.3f}" if model else "-",
+            f"{r['kept_bytes_checkpointed'] / MiB:.2f}",
+            f"{r['kept_bytes_checkpointed'] / r['model_kept_bytes_checkpointed']:.3f}" if model else "-",
+            f"{r['peak_bytes'] / MiB:.2f}", f"{r['peak_bytes'] / r['model_peak_bytes']:.3f}" if model else "-",
+            f"{r['peak_bytes_checkpointed'] / MiB:.2f}",
+        ])
+    p = rows[0]["world_size"]
+    return [f"One attention layer (`attend(q, k, v) * 1`) on {p} ranks, per rank: kept = memory alive between its "
+            "forward and its backward, its returned output excluded; peak = the most it adds during forward+backward. "
+            "Checkpointed: `torch.utils.checkpoint(use_reentrant=False)` around the layer (ring_sp keeps out + lse "
+            "for the re-run). / model: measured over `ring_sp.planner.attention_memory`.", ""] + _table(
+        ["mode", "N", "kept MiB", "/ model", "kept checkpointed MiB", "/ model", "peak MiB", "/ model",
+         "peak checkpointed MiB"], body)
+
+
 def markdown(records: list[Record], header: list[str]) -> str:
     lines = header + [""]
     for title, section in (("Speed", timing_tables), ("Work balance, bytes and memory", profile_table),
-                           ("Memory per rank", memory_tables), ("Overlap with a slow link", overlap_table),
+                           ("Memory per rank", memory_tables), ("Activation memory per layer", activations_table),
+                           ("Overlap with a slow link", overlap_table),
                            ("Fewer heads than ranks", heads_table)):
         body = section(records)
         if body:

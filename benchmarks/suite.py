@@ -2,7 +2,8 @@
 
 Sections: ``timing`` (every mode and DeepSpeed against one rank, sequence-length sweep),
 ``profile`` (bytes vs the design formulas, causal work per rank), ``memory`` (peak per
-rank while N grows at fixed P and while P grows at fixed N), ``overlap`` (an injected
+rank while N grows at fixed P and while P grows at fixed N), ``activations`` (memory an
+attention layer keeps between forward and backward, plain and checkpointed, vs the planner), ``overlap`` (an injected
 link delay) and ``heads`` (fewer heads than ranks: who runs, and exactly?).
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .cases import exactness_case, overlap_case, profile_case, timing_case
+from .cases import activation_case, exactness_case, overlap_case, profile_case, timing_case
 from .comm_bytes import formula_bytes
 from .launch import Launcher
 from .modes import DEEPSPEED, SINGLE, Mode, Problem, comparison_modes
@@ -141,6 +142,46 @@ def memory(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Recor
     return records
 
 
+def _attention_memory(mode: Mode, problem: Problem, world_size: int):
+    from ring_sp.planner import attention_memory
+
+    u, r = mode.grid(world_size)
+    return attention_memory(ulysses=u, ring=r, batch=problem.batch, local_len=problem.seq_len // world_size,
+                            heads=problem.heads, kv_heads=problem.kv_heads, head_dim=problem.head_dim,
+                            dtype=problem.dtype)
+
+
+def activations(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record]:
+    """Memory one attention layer keeps per rank between forward and backward, and its peak,
+    plain and under activation checkpointing, against ``ring_sp.planner.attention_memory``."""
+    records = []
+    p = cfg.world_size
+    modes = [m for m in _memory_modes(p) if m.kind != "single"]
+    for n in cfg.memory_seq_lens:
+        log(f"activations: N={n} on {p} ranks, plain and checkpointed")
+        problem = replace(cfg.problem, seq_len=n)
+        results = run.run(activation_case, p, problem, modes, cfg.backend)
+        for mode in modes:
+            per_rank = _per_mode(results, mode.name)
+            record: Record = {"section": "activations", "mode": mode.name, "seq_len": n, "world_size": p}
+            if isinstance(per_rank, str):
+                records.append({**record, "error": per_rank})
+                continue
+            for kind in ("plain", "checkpointed"):
+                suffix = "" if kind == "plain" else "_checkpointed"
+                record["kept_bytes" + suffix] = max(r[kind]["kept_bytes"] for r in per_rank)
+                record["peak_bytes" + suffix] = max(r[kind]["peak_bytes"] for r in per_rank)
+            if mode.kind != "deepspeed":
+                model = _attention_memory(mode, problem, p)
+                out = problem.batch * (n // p) * problem.heads * problem.head_dim * problem.torch_dtype.itemsize
+                # the layer's output, and (ring only) the incoming gradient the ring's node holds
+                u, _ = mode.grid(p)
+                record.update(model_kept_bytes=model.kept, model_kept_bytes_checkpointed=model.kept_checkpointed,
+                              model_peak_bytes=model.kept + model.working + out + (out if u == 1 else 0))
+            records.append(record)
+    return records
+
+
 def overlap(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record]:
     """Ring (zigzag) step time with every exchange delayed, against compute alone (the same
     call without delay, alternated with it) and the delay alone (the call on 2P tokens,
@@ -200,5 +241,6 @@ def heads(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record
 
 
 SECTIONS: dict[str, Callable[[Launcher, Config, Callable[[str], None]], list[Record]]] = {
-    "timing": timing, "profile": profile, "memory": memory, "overlap": overlap, "heads": heads,
+    "timing": timing, "profile": profile, "memory": memory, "activations": activations, "overlap": overlap,
+    "heads": heads,
 }

@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 
 from .agreement import CallSignature, agree, validation_requested
-from .function import SequenceParallelFunction, UlyssesSpec
+from .function import UlyssesSpec, sequence_parallel_attention
 from .kernels import get_kernel
 from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_reorder
+from .recompute import plan as recompute_plan
+from .recompute import reuse_requested
 from .ring import RingSpec, ring_comm_for
 from .topology import SequenceParallelTopology
 from .validation import (check_cu_seqlens, check_group, check_local_length, check_options, check_qkv, check_sinks,
@@ -109,6 +111,7 @@ def _attention(
     cu_seqlens: torch.Tensor | list[int] | None,
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    reuse_on_recompute: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
     options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
@@ -116,6 +119,7 @@ def _attention(
     always = validation_requested(validate)
     boundaries = None
     try:
+        reuse = reuse_requested(reuse_on_recompute)
         check_cu_seqlens(cu_seqlens)
         boundaries = as_boundaries(cu_seqlens)
         ring, ulysses = _prepare(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, return_lse=return_lse,
@@ -132,7 +136,13 @@ def _attention(
         agree(agreement_group, signature, error, always=always, device=device)
     if error is not None:
         raise error
-    return SequenceParallelFunction.apply(q, k, v, ring, ulysses, sinks)
+    # Everything the result depends on besides the values of q, k, v (ring_sp.recompute);
+    # the sinks (a parameter: unchanged between a forward and its re-run) by identity and version.
+    sinks_key = None if sinks is None else (sinks.shape, sinks.dtype, id(sinks), sinks._version)
+    key = (tuple(sorted(options.items())), boundaries, id(ulysses_group), id(ring_group),
+           *((t.shape, t.dtype, t.stride()) for t in (q, k, v)), q.device, sinks_key)
+    recompute = recompute_plan(q, k, v, key, reuse)
+    return sequence_parallel_attention(q, k, v, ring, ulysses, recompute, sinks)
 
 
 def _group_or_world(group: dist.ProcessGroup | None, name: str = "group") -> dist.ProcessGroup:
@@ -155,6 +165,7 @@ def ring_attention(
     cu_seqlens: torch.Tensor | list[int] | None = None,
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    reuse_on_recompute: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ring attention over ``group`` (None = the default group).
 
@@ -177,12 +188,15 @@ def ring_attention(
     keys, itself included; with ``cu_seqlens`` also the same document). Ranks then exchange
     KV and dK/dV only with the ranks holding keys inside some query's window (a halo);
     pairs with nothing to compute neither compute nor communicate. Needs ``causal=True``.
+    ``reuse_on_recompute``: when activation checkpointing re-runs this call in backward,
+    reuse the first run's output and lse instead of running the ring again (default on;
+    ``RING_SP_REUSE_ON_RECOMPUTE=0`` turns it off globally; see :mod:`ring_sp.recompute`).
     """
     ring_group = _group_or_world(group)
     out, lse = _attention(q, k, v, ulysses_group=None, ring_group=ring_group, agreement_group=ring_group,
                           causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                           return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
-                          sliding_window=sliding_window)
+                          sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute)
     return (out, lse) if return_lse else out
 
 
@@ -200,6 +214,7 @@ def ulysses_attention(
     cu_seqlens: torch.Tensor | list[int] | None = None,
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    reuse_on_recompute: bool | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention over ``group`` (None = the default group).
 
@@ -207,15 +222,15 @@ def ulysses_attention(
     (every layout works: the all-to-all output is put back in natural order). Needs
     ``h % U == 0`` and ``h_kv % U == 0`` or ``U % h_kv == 0`` (KV heads are then
     replicated only to the ranks that need them). Returns ``[b, n, h, d_v]``.
-    ``validate``, ``cu_seqlens``, ``sliding_window`` and ``sinks`` (all ``h`` heads on every
-    rank; each rank's ``sinks.grad`` holds its ``h/U`` heads' share, zeros elsewhere): as in
-    :func:`ring_attention`.
+    ``validate``, ``cu_seqlens``, ``sliding_window``, ``reuse_on_recompute`` and ``sinks``
+    (all ``h`` heads on every rank; each rank's ``sinks.grad`` holds its ``h/U`` heads'
+    share, zeros elsewhere): as in :func:`ring_attention`.
     """
     ulysses_group = _group_or_world(group)
     return _attention(q, k, v, ulysses_group=ulysses_group, ring_group=None, agreement_group=ulysses_group,
                       causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                       return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
-                      sliding_window=sliding_window)[0]
+                      sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute)[0]
 
 
 def hybrid_attention(
@@ -232,6 +247,7 @@ def hybrid_attention(
     cu_seqlens: torch.Tensor | list[int] | None = None,
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    reuse_on_recompute: bool | None = None,
 ) -> torch.Tensor:
     """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
 
@@ -240,9 +256,9 @@ def hybrid_attention(
     Ulysses all-to-all over U (heads must split: ``h % U == 0``), ring attention over R
     on ``h/U`` heads with un-replicated KV, then back. ``contiguous`` and ``zigzag`` work
     for every ``U x R``; ``striped`` when U == 1 or R == 1. Returns ``[b, n, h, d_v]``.
-    ``validate``, ``cu_seqlens``, ``sliding_window`` and ``sinks``: as in
-    :func:`ring_attention` and :func:`ulysses_attention` (``document_zigzag`` works for
-    every ``U x R``).
+    ``validate``, ``cu_seqlens``, ``sliding_window``, ``sinks`` and ``reuse_on_recompute``:
+    as in :func:`ring_attention` and :func:`ulysses_attention` (``document_zigzag`` works
+    for every ``U x R``).
     """
     if not isinstance(topology, SequenceParallelTopology):
         raise TypeError(
@@ -252,4 +268,4 @@ def hybrid_attention(
     return _attention(q, k, v, ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
                       agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
                       backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
-                      sliding_window=sliding_window)[0]
+                      sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute)[0]

@@ -15,9 +15,11 @@ class SequenceParallelAttention(nn.Module):
 
     ``forward(q, k, v)`` takes q ``[b, n, h, d]`` and k/v ``[b, n, h_kv, d]`` (this
     rank's shard, in ``layout`` over ``topology.sp_rank``) and returns ``[b, n, h, d]``.
-    Holds no parameters, so checkpoints do not depend on the grid shape. ``validate``:
-    see :func:`ring_sp.ring_attention`. ``sliding_window``: the default window of
-    :meth:`forward` (see :func:`ring_sp.ring_attention`; needs ``causal=True``).
+    Holds no parameters, so checkpoints do not depend on the grid shape. ``validate`` and
+    ``reuse_on_recompute`` (activation checkpointing's re-run reuses the first run's
+    output instead of running the ring again): see :func:`ring_sp.ring_attention`.
+    ``sliding_window``: the default window of :meth:`forward` (see
+    :func:`ring_sp.ring_attention`; needs ``causal=True``).
     """
 
     def __init__(
@@ -30,6 +32,7 @@ class SequenceParallelAttention(nn.Module):
         softmax_scale: float | None = None,
         validate: bool | None = None,
         sliding_window: int | None = None,
+        reuse_on_recompute: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(topology, SequenceParallelTopology):
@@ -43,6 +46,7 @@ class SequenceParallelAttention(nn.Module):
         self.backend = backend
         self.softmax_scale = softmax_scale
         self.validate = validate
+        self.reuse_on_recompute = reuse_on_recompute
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cu_seqlens: torch.Tensor | list[int] | None = None,
@@ -56,7 +60,7 @@ class SequenceParallelAttention(nn.Module):
         return hybrid_attention(
             q, k, v, topology=self.topology, causal=self.causal, layout=self.layout,
             softmax_scale=self.softmax_scale, backend=self.backend, validate=self.validate, cu_seqlens=cu_seqlens,
-            sinks=sinks, sliding_window=window,
+            sinks=sinks, sliding_window=window, reuse_on_recompute=self.reuse_on_recompute,
         )
 
     def extra_repr(self) -> str:

@@ -28,6 +28,7 @@ import torch
 from .attention import check_ulysses_heads
 from .kernels import softmax_stat_dtype
 from .layouts import check_layout, ulysses_to_ring_order
+from .recompute import FINGERPRINT_BYTES
 from .schedule import exchange_plan, ring_step_tasks
 from .topology import PLACEMENTS, rank_grid
 from .ulysses import kv_heads_per_rank
@@ -213,6 +214,47 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
 
 
 @dataclass(frozen=True)
+class AttentionMemory:
+    """Bytes one rank holds for one attention layer (model checked against the benchmark's
+    ``activations`` section, which measures every tensor storage the layer creates).
+
+    ``kept``: between its forward and its backward, its output included (ring: out + lse;
+    with Ulysses the head-sharded q, packed k/v, out and lse). ``kept_checkpointed``: the
+    same under activation checkpointing, where ring_sp keeps only out + lse for the re-run
+    (``reuse_on_recompute``; nothing with it off). ``working``: what the backward holds on
+    top: the fp32 dq accumulator, the ring's double-buffered KV and fp32 [dK; dV] messages,
+    the kernel's block gradients before they are added (zigzag's first step: two half
+    blocks = one q shard + one KV shard in fp32), and with Ulysses the head-sharded dout
+    and the dk/dv of the all-to-all.
+    """
+
+    kept: int
+    kept_checkpointed: int
+    working: int
+
+
+def attention_memory(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int,
+                     head_dim: int, dtype: str) -> AttentionMemory:
+    """:class:`AttentionMemory` of one layer on one rank (``local_len`` = N / (U * R))."""
+    elem, acc = dtype_bytes(dtype)
+    m = kv_heads_per_rank(kv_heads, ulysses)
+    q_elems = batch * local_len * heads * head_dim  # the q / out shard, in either layout
+    kv_shard = 2 * batch * local_len * ulysses * m * head_dim  # packed [k; v] after the all-to-all
+    lse = batch * local_len * heads * acc
+    out_and_lse = q_elems * elem + lse
+    kept = out_and_lse + ((q_elems + kv_shard) * elem if ulysses > 1 else 0)
+    working = q_elems * acc  # dq accumulator
+    if ring > 1:
+        working += 2 * kv_shard * elem + 2 * kv_shard * acc  # KV and [dK; dV] double buffers
+        working += q_elems * acc + kv_shard * acc  # block gradients not yet added
+    else:
+        working += kv_shard * acc  # dk, dv
+    if ulysses > 1:
+        working += q_elems * elem  # dout in head layout
+    return AttentionMemory(kept=kept, kept_checkpointed=out_and_lse + FINGERPRINT_BYTES, working=working)
+
+
+@dataclass(frozen=True)
 class _Placement:
     """Where a grid's groups fall on the nodes: which link each dimension's slowest pair uses
     ('intra', 'inter' or '-' when absent), and every (intra-node, inter-node) peer count a
@@ -315,12 +357,12 @@ def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cl
 
     n_tokens = b * local_len
     layer_act = LAYER_ACTIVATION_BYTES_PER_TOKEN_HIDDEN * n_tokens * model.hidden * elem / 2
-    saved = n_tokens * model.heads * acc  # lse [b, H/U, N/R] in fp32
-    if ulysses > 1:  # the head-sharded copies of q, out and k/v that the attention saves
-        saved += (2 * n_tokens * model.heads * d + 2 * b * chunk * m * d) * elem
-    buffers = 2 if ring > 1 else 0  # double-buffered ring messages
-    accumulator = b * chunk * heads_here * d * acc  # fp32 out (forward) or dq (backward)
-    working = accumulator + buffers * kv_shard * elem + max(buffers, 1) * kv_shard * acc
+    memory = attention_memory(ulysses=ulysses, ring=ring, batch=b, local_len=local_len, heads=model.heads,
+                              kv_heads=model.kv_heads, head_dim=d, dtype=work.dtype)
+    # Korthikanti's 34 already counts the attention output (the projection's input): beyond it
+    # ring_sp keeps lse, and with Ulysses the head-sharded q, k/v and out.
+    saved = memory.kept - (n_tokens * model.heads * d * elem if ulysses == 1 else 0)
+    working = memory.working
 
     notes = []
     if where.ulysses_link == "inter":

@@ -5,7 +5,9 @@ becomes ``[b, U*n, H/U, d]`` (the group's U*n tokens, this rank's H/U heads): ra
 sends head group j to rank j and receives rank j's tokens of head group u. The gathered
 tokens come in Ulysses-rank order; an optional ``Reorder`` then puts them in the ring's
 layout (:func:`ring_sp.layouts.ulysses_to_ring_order`). The backward of one all-to-all
-is the other, which :mod:`ring_sp.function` calls explicitly.
+is the other, which :mod:`ring_sp.function` calls explicitly; the backward uses the pieces
+(:func:`head_send_buffer`, :func:`exchange`, :func:`seq_from_recv`) to drop each buffer as
+soon as the next exists.
 
 KV heads: with ``h_kv % U == 0`` each rank receives its ``h_kv / U`` heads. With
 ``U % h_kv == 0`` each rank needs ONE KV head (``u * h_kv // U``) and we send exactly
@@ -24,25 +26,44 @@ from .layouts import Reorder
 
 def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str) -> torch.Tensor:
     """[b, n, H, d] -> [b, U*n, H/U, d] (tokens reordered by ``order`` if given)."""
-    u = dist.get_world_size(group)
     b, n, heads, d = x.shape
+    u = dist.get_world_size(group)
     send = x.reshape(b, n, u, heads // u, d).permute(2, 0, 1, 3, 4).contiguous()  # [dst, b, n, H/U, d]
-    recv = torch.empty_like(send)  # [src, b, n, H/U, d]
-    all_to_all_equal(recv, send, group, kind)
-    gathered = recv.permute(1, 0, 2, 3, 4).reshape(b, u * n, heads // u, d)
+    return head_from_recv(exchange(send, group, kind), order)
+
+
+def head_from_recv(recv: torch.Tensor, order: Reorder | None) -> torch.Tensor:
+    """[src, b, n, H/U, d] -> [b, U*n, H/U, d] in ``order`` (a view when b == 1 and no reorder)."""
+    u, b, n, heads_local, d = recv.shape
+    gathered = recv.transpose(0, 1).reshape(b, u * n, heads_local, d)
     return gathered if order is None else gathered.index_select(1, order.index)
 
 
 def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str) -> torch.Tensor:
     """Inverse of :func:`seq_to_head`: [b, U*n, H/U, d] -> [b, n, H, d]."""
     u = dist.get_world_size(group)
+    return seq_from_recv(exchange(head_send_buffer(y, u, order), group, kind))
+
+
+def head_send_buffer(y: torch.Tensor, ulysses_size: int, order: Reorder | None) -> torch.Tensor:
+    """[b, U*n, H/U, d] -> the all-to-all's send buffer [dst, b, n, H/U, d], tokens back in
+    Ulysses-rank order. No copy when y already is that buffer (b == 1, no reorder, contiguous)."""
     if order is not None:
         y = y.index_select(1, order.inverse)
     b, un, heads_local, d = y.shape
-    n = un // u
-    send = y.reshape(b, u, n, heads_local, d).permute(1, 0, 2, 3, 4).contiguous()  # [dst, b, n, H/U, d]
-    recv = torch.empty_like(send)  # [src = head group, b, n, H/U, d]
+    return y.reshape(b, ulysses_size, un // ulysses_size, heads_local, d).transpose(0, 1).contiguous()
+
+
+def exchange(send: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.Tensor:
+    """One all-to-all of equal chunks along dim 0 into a new buffer of send's shape."""
+    recv = torch.empty_like(send)
     all_to_all_equal(recv, send, group, kind)
+    return recv
+
+
+def seq_from_recv(recv: torch.Tensor) -> torch.Tensor:
+    """[src = head group, b, n, H/U, d] -> [b, n, H, d] (one copy)."""
+    u, b, n, heads_local, d = recv.shape
     return recv.permute(1, 2, 0, 3, 4).reshape(b, n, u * heads_local, d)
 
 
@@ -59,45 +80,60 @@ def _replication_index(kv_heads: int, ulysses_size: int, device: torch.device) -
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor, ulysses_size: int) -> torch.Tensor:
-    """k ``[b, n, h_kv, d]``, v ``[b, n, h_kv, d_v]`` -> ``[b, n, U, m*(d + d_v)]``: per destination
-    rank its m k heads then its m v heads, flattened, so ONE all-to-all moves both whatever
-    ``d_v`` is (``m = kv_heads_per_rank``; the U destinations play the role of heads)."""
-    b, n, kv_heads, _ = k.shape
+    """k ``[b, n, h_kv, d]``, v ``[b, n, h_kv, d_v]`` -> the all-to-all's send buffer
+    ``[dst, b, n, m*(d + d_v)]``: per destination rank its m k heads then its m v heads,
+    flattened, so ONE all-to-all moves both whatever ``d_v`` is (``m = kv_heads_per_rank``).
+    k and v are copied once, straight into place."""
+    b, n, kv_heads, d = k.shape
     index = _replication_index(kv_heads, ulysses_size, k.device)
     if index is not None:
         k, v = k.index_select(2, index), v.index_select(2, index)
+    m = kv_heads_per_rank(kv_heads, ulysses_size)
     u = ulysses_size
-    return torch.cat((k.reshape(b, n, u, -1), v.reshape(b, n, u, -1)), dim=3)
+    split = m * d
+    send = torch.empty((u, b, n, split + m * v.shape[3]), dtype=k.dtype, device=k.device)
+    send[..., :split].copy_(k.reshape(b, n, u, split).permute(2, 0, 1, 3))
+    send[..., split:].copy_(v.reshape(b, n, u, -1).permute(2, 0, 1, 3))
+    return send
 
 
 def unpack_kv(packed: torch.Tensor, kv_heads_local: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the all-to-all: ``[b, U*n, 1, m*(d + d_v)]`` -> k ``[b, U*n, m, d]``, v ``[b, U*n, m, d_v]``
-    (views; ``m = kv_heads_local``, ``d = head_dim``)."""
+    """After the all-to-all and :func:`head_from_recv`: ``[b, U*n, 1, m*(d + d_v)]`` -> k
+    ``[b, U*n, m, d]``, v ``[b, U*n, m, d_v]`` (views; ``m = kv_heads_local``, ``d = head_dim``)."""
     b, un, _, width = packed.shape
     split = kv_heads_local * head_dim
     return (packed[..., :split].reshape(b, un, kv_heads_local, head_dim),
             packed[..., split:].reshape(b, un, kv_heads_local, (width - split) // kv_heads_local))
 
 
-def pack_kv_grads(dk: torch.Tensor, dv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """dk ``[b, U*n, m, d]``, dv ``[b, U*n, m, d_v]`` -> ``[b, U*n, 1, m*(d + d_v)]`` in ``dtype``:
-    the layout :func:`unpack_kv` split, ready for the inverse all-to-all."""
-    b, un = dk.shape[:2]
-    return torch.cat((dk.reshape(b, un, 1, -1), dv.reshape(b, un, 1, -1)), dim=3).to(dtype)
+def kv_grads_send_buffer(dk: torch.Tensor, dv: torch.Tensor, ulysses_size: int, order: Reorder | None,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """Adjoint of :func:`unpack_kv` and the head-to-sequence send in one step: dk ``[b, U*n, m, d]``,
+    dv ``[b, U*n, m, d_v]`` (ring order) -> ``[dst, b, n, m*(d + d_v)]`` in ``dtype``, each
+    destination's m k heads then its m v heads (the layout :func:`pack_kv` sent). Written
+    straight into the buffer: no ``cat`` of dk and dv, no separate cast."""
+    if order is not None:
+        dk, dv = dk.index_select(1, order.inverse), dv.index_select(1, order.inverse)
+    b, un, m, d = dk.shape
+    u = ulysses_size
+    split = m * d
+    send = torch.empty((u, b, un // u, split + m * dv.shape[3]), dtype=dtype, device=dk.device)
+    send[..., :split].copy_(dk.reshape(b, u, un // u, split).transpose(0, 1))
+    send[..., split:].copy_(dv.reshape(b, u, un // u, -1).transpose(0, 1))
+    return send
 
 
-def unpack_kv_grads(d_packed: torch.Tensor, kv_heads: int, ulysses_size: int,
-                    head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Adjoint of :func:`pack_kv`: ``[b, n, U, m*(d + d_v)]`` -> dk ``[b, n, h_kv, d]``, dv
-    ``[b, n, h_kv, d_v]``, summing the gradients of replicated heads (in ``d_packed``'s dtype:
+def kv_grads_from_recv(recv: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adjoint of :func:`pack_kv` on the received ``[src, b, n, m*(d + d_v)]``: dk ``[b, n, h_kv, d]``,
+    dv ``[b, n, h_kv, d_v]``, summing the gradients of replicated heads (in ``recv``'s dtype:
     pass float32 to sum exactly)."""
-    b, n, u, width = d_packed.shape
+    u, b, n, width = recv.shape
     m = kv_heads_per_rank(kv_heads, u)
     split = m * head_dim
     d_v = (width - split) // m
-    dk = d_packed[..., :split].reshape(b, n, u * m, head_dim)
-    dv = d_packed[..., split:].reshape(b, n, u * m, d_v)
-    index = _replication_index(kv_heads, u, d_packed.device)
+    dk = recv[..., :split].reshape(u, b, n, m, head_dim).permute(1, 2, 0, 3, 4).reshape(b, n, u * m, head_dim)
+    dv = recv[..., split:].reshape(u, b, n, m, d_v).permute(1, 2, 0, 3, 4).reshape(b, n, u * m, d_v)
+    index = _replication_index(kv_heads, u, recv.device)
     if index is None:
         return dk, dv
     summed_k = torch.zeros((b, n, kv_heads, head_dim), dtype=dk.dtype, device=dk.device).index_add_(2, index, dk)

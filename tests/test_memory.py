@@ -1,0 +1,35 @@
+"""Issue 13: the attention's memory per rank, measured at every tensor storage it creates
+(benchmarks/memory.py), against DeepSpeed's DistributedAttention and the planner's model."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.cases import activation_case
+from benchmarks.modes import DEEPSPEED, Mode, Problem
+from benchmarks.suite import _attention_memory
+
+PROBLEM = Problem(256, heads=4, kv_heads=2, head_dim=16)
+MODES = [Mode("ring zigzag", "ring", "zigzag"), Mode("Ulysses", "ulysses", "contiguous")]
+
+
+def test_kept_memory_equals_the_planner_model(pools) -> None:
+    """Bytes a layer keeps between forward and backward, plain and checkpointed: exactly
+    ``ring_sp.planner.attention_memory`` on every rank."""
+    for per_rank in pools.get(2).run(activation_case, PROBLEM, MODES, timeout=300):
+        for mode in MODES:
+            model = _attention_memory(mode, PROBLEM, 2)
+            measured = per_rank[mode.name]
+            assert measured["plain"]["kept_bytes"] == model.kept, mode
+            assert measured["checkpointed"]["kept_bytes"] == model.kept_checkpointed, mode
+
+
+def test_ulysses_peak_at_most_deepspeeds(pools) -> None:
+    """Inside a layer (the output feeds another op), forward + backward: our Ulysses adds no
+    more memory than DeepSpeed's DistributedAttention around the same kernel (it was 1.43x)."""
+    pytest.importorskip("deepspeed")
+    modes = [Mode("Ulysses", "ulysses", "contiguous"), DEEPSPEED]
+    for per_rank in pools.get(2).run(activation_case, PROBLEM, modes, timeout=300):
+        ours, theirs = per_rank["Ulysses"]["plain"], per_rank[DEEPSPEED.name]["plain"]
+        assert ours["peak_bytes"] <= theirs["peak_bytes"], (ours, theirs)
+        assert ours["kept_bytes"] == theirs["kept_bytes"]

@@ -96,12 +96,12 @@ class _Mail:
     when whole (the full ring), else a staged copy. ``reverse`` swaps the two directions
     (partials go home to ``r - t``)."""
 
-    def __init__(self, spec: RingSpec, own: torch.Tensor, kind: str, reverse: bool = False,
+    def __init__(self, spec: RingSpec, own: torch.Tensor | None, kind: str, reverse: bool = False,
                  dtype: torch.dtype | None = None, like: torch.Tensor | None = None) -> None:
         self.spec, self.own, self.kind, self.reverse = spec, own, kind, reverse
         self.inbound, self.outbound = (spec.send_rows, spec.recv_rows) if reverse else (spec.recv_rows, spec.send_rows)
-        like = like if like is not None else own[0]
-        dtype = dtype or own.dtype
+        like = like if like is not None else own[0]  # type: ignore[index]
+        dtype = dtype or own.dtype  # type: ignore[union-attr]
         arriving = [_span(r) for r in self.inbound[1:]]
         self.inbox = _Slots(min(2, sum(map(bool, arriving))), like, arriving, dtype)
         staged = [_span(r) for r in self.outbound[1:] if r is not None and (own is None or _span(r) != own.shape[2])]
@@ -124,7 +124,9 @@ class _Mail:
             send = message
             if send is None:  # own rows, staged unless whole; the stage's last send was waited on
                 a, b = self.outbound[step]
-                send = self.own if b - a == self.own.shape[2] else self.stage.view(step, b - a).copy_(self.own[:, :, a:b])
+                own = self.own
+                assert own is not None  # the forward direction always has its own shard
+                send = own if b - a == own.shape[2] else self.stage.view(step, b - a).copy_(own[:, :, a:b])
         recv = self.received(step) if self.inbound[step] is not None else None
         assert self.spec.comm is not None  # world_size > 1 here
         return self.spec.comm.exchange(send, recv, self.kind, offset=-step if self.reverse else step)
@@ -281,7 +283,7 @@ class _DirectGrads:
     def __init__(self, spec: RingSpec, k: torch.Tensor, acc_dtype: torch.dtype) -> None:
         self.spec = spec
         self.home = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device)
-        self.mail = _Mail(spec, None, "ring_dkv", reverse=True, dtype=acc_dtype, like=k)  # type: ignore[arg-type]
+        self.mail = _Mail(spec, None, "ring_dkv", reverse=True, dtype=acc_dtype, like=k)  # we fill its messages
         self.pending: tuple[int, PendingExchange] | None = None
 
     def _collect(self) -> None:
@@ -294,17 +296,17 @@ class _DirectGrads:
             self.pending = None
 
     def add(self, step: int, grads: list) -> None:
-        target = self.home
+        target: torch.Tensor | None = self.home
         if step:
             self._collect()  # frees this step's buffers (their step - 2 exchange was waited on)
-            if grads:
-                target = self.mail.outgoing(step)
-                target.zero_()
+            target = None
+            if self.spec.recv_rows[step] is not None:  # we hold rows of rank - step's KV: a partial goes home
+                target = self.mail.outgoing(step).zero_()
         for task, (_, dk_b, dv_b) in grads:
-            target[0][:, task.kv] += dk_b
-            target[1][:, task.kv] += dv_b
+            target[0][:, task.kv] += dk_b  # type: ignore[index]  # (blocks only where rows arrived)
+            target[1][:, task.kv] += dv_b  # type: ignore[index]
         if step:
-            work = self.mail.post(step, target if grads else None)
+            work = self.mail.post(step, target)
             self.pending = None if work is None else (step, work)
 
     def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ tensor is ever built.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -227,8 +228,6 @@ _Run = tuple[int, int, int, int]
 def _runs(positions: torch.Tensor, frame_start: int | None, cu_seqlens: Boundaries | None) -> list[_Run]:
     """A shard's runs of consecutive global positions (``frame_start`` None), or, for striped,
     its one run in the local frame starting at ``frame_start``; cut at document boundaries."""
-    import bisect
-
     n = positions.numel()
     if frame_start is None:
         pos = positions.tolist()

@@ -20,7 +20,7 @@ from oracle import make_inputs
 from ring_sp.kernels.reference import ReferenceKernel
 from ring_sp.kernels.torch_cpu import TorchCPUKernel
 from ring_sp.layouts import layout_positions
-from ring_sp.planner import Cluster, ModelShape, Workload, layer_bytes, plan
+from ring_sp.planner import Cluster, ModelShape, PlanError, Workload, layer_bytes, plan
 from ring_sp.schedule import BlockTask, exchange_plan, window_step_tasks
 
 PLAIN = ("contiguous", "zigzag", "striped")
@@ -109,6 +109,10 @@ def test_window_keeps_contiguous_balanced_and_the_planner_prefers_it() -> None:
     assert result.recommended.bytes_fwd == {"ring_kv": 4095 * 2 * 8 * 128 * 2}
     assert zigzag.bytes_fwd == {"ring_kv": 2 * 4095 * 2 * 8 * 128 * 2}
     assert result.recommended.bytes_bwd["ring_dkv"] == 4095 * 2 * 8 * 128 * 4
+    for work, message in ((Workload(seq_len=4096, causal=False, sliding_window=64), "needs causal"),
+                          (Workload(seq_len=4096, sliding_window=0), "sliding-window=0 must be a positive integer")):
+        with pytest.raises(PlanError, match=message):
+            plan(cluster, model, work)
 
 
 # ---- kernels -------------------------------------------------------------------------------

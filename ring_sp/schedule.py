@@ -27,6 +27,7 @@ to local indices. Ranks hold disjoint tokens, so only the diagonal step has mask
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass
 
@@ -300,8 +301,6 @@ _Run = tuple[int, int, int, int]
 def _runs(positions: torch.Tensor, frame_start: int | None, cu_seqlens: Boundaries | None) -> list[_Run]:
     """A shard's runs of consecutive global positions (``frame_start`` None), or, for striped,
     its one run in the local frame starting at ``frame_start``; cut at document boundaries."""
-    import bisect
-
     n = positions.numel()
     if frame_start is None:
         pos = positions.tolist()

@@ -20,7 +20,7 @@ from oracle import make_inputs
 from ring_sp.kernels.reference import ReferenceKernel
 from ring_sp.kernels.torch_cpu import TorchCPUKernel
 from ring_sp.layouts import layout_positions
-from ring_sp.planner import Cluster, ModelShape, Workload, layer_bytes, plan
+from ring_sp.planner import Cluster, ModelShape, PlanError, Workload, layer_bytes, plan
 from ring_sp.schedule import BlockTask, exchange_plan, window_step_tasks
 
 PLAIN = ("contiguous", "zigzag", "striped")
@@ -109,6 +109,10 @@ def test_window_keeps_contiguous_balanced_and_the_planner_prefers_it() -> None:
     assert result.recommended.bytes_fwd == {"ring_kv": 4095 * 2 * 8 * 128 * 2}
     assert zigzag.bytes_fwd == {"ring_kv": 2 * 4095 * 2 * 8 * 128 * 2}
     assert result.recommended.bytes_bwd["ring_dkv"] == 4095 * 2 * 8 * 128 * 4
+    for work, message in ((Workload(seq_len=4096, causal=False, sliding_window=64), "needs causal"),
+                          (Workload(seq_len=4096, sliding_window=0), "sliding-window=0 must be a positive integer")):
+        with pytest.raises(PlanError, match=message):
+            plan(cluster, model, work)
 
 
 # ---- kernels -------------------------------------------------------------------------------
@@ -140,6 +144,39 @@ def test_flash_attn_window_arguments() -> None:
     assert _window_values(True, 5)["window_size"] == (4, 0)  # band: a - 5 < c <= a
     assert _window_values(False, 1)["window_size"] == (0, -1)  # edge: c >= a
     assert _window_values(True, None) == {}
+
+
+@pytest.mark.parametrize("release", ["fa2.1", "fa2.3", "fa2.6", "fa3-2025", "fa3-newest"])
+def test_flash_attn_passes_the_window_where_its_release_has_one(release: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against fakes with each release's exact parameters (tests/test_kernels_cuda.py): >= 2.3
+    gets window_size (left, right) in forward and backward; 2.1 has none, so the kernel says
+    it cannot take bands (the schedule then cuts them) and refuses one rather than dropping it."""
+    from test_kernels_cuda import RELEASES, _fake, _fill_grads
+
+    from ring_sp.kernels import flash_attn as fa_backend
+    from ring_sp.kernels.flash_attn import FlashAttnKernel
+
+    fwd_params, bwd_params, layout = RELEASES[release]
+    q, k = torch.randn(2, 5, 4, 16, dtype=torch.bfloat16), torch.randn(2, 5, 2, 16, dtype=torch.bfloat16)
+    out_, lse_ = torch.randn_like(q), torch.randn(2, 4, 5)
+    calls: list[dict] = []
+    result = (lambda a: (out_, q, k, k, out_, lse_, None, None)) if layout == 8 else (lambda a: (out_, lse_, None, None))
+    fake = type("FA", (), {})()
+    fake._flash_attn_forward = _fake(fwd_params, calls, result)
+    fake._flash_attn_backward = _fake(bwd_params, calls, _fill_grads)
+    monkeypatch.setattr(fa_backend, "_interface", lambda: fake)
+    kernel = FlashAttnKernel()
+    if release == "fa2.1":
+        assert not kernel.supports_window
+        with pytest.raises(ValueError, match="only the edge block"):
+            kernel.forward(q, k, k, causal=True, scale=0.125, window=3)
+        return
+    assert kernel.supports_window
+    kernel.forward(q, k, k, causal=True, scale=0.125, window=3)
+    kernel.backward(out_, q, k, k, out_, lse_, causal=False, scale=0.125, window=1)
+    for call, expected in zip(calls, ((2, 0), (0, -1))):
+        window = call.get("window_size", (call.get("window_size_left"), call.get("window_size_right")))
+        assert tuple(window) == expected, (release, call)
 
 
 # ---- against the oracle, on ranks ----------------------------------------------------------

@@ -220,3 +220,32 @@ def megatron_case(granularity: str | None, cp: int = 2, ulysses: int = 1) -> dic
                 "grads": {name: p.grad.clone() for name, p in model.named_parameters()}}
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def transformers_case(checkpointing: str) -> dict[str, object]:
+    """A tiny transformers Llama (GQA 4/2) with ``attn_implementation="ring_sp"`` on a ring of
+    all ranks (float64), one training step, without checkpointing (``"none"``) or with
+    ``model.gradient_checkpointing_enable`` (``"reentrant"`` / ``"non_reentrant"``)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import ring_sp.integrations.transformers as rsp_hf
+
+    topo = ring_sp.init_sequence_parallel(1, dist.get_world_size())
+    rsp_hf.register(topo)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ring_sp").to(torch.float64).train()
+    if checkpointing != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"})
+    ids = torch.randint(0, 64, (1, 8 * dist.get_world_size()), generator=torch.Generator().manual_seed(3))
+    shard = rsp_hf.shard_batch({"input_ids": ids}, topo)
+    with ring_sp.count_communication() as comm, count_kernel_calls() as calls:
+        logits = model(**shard, use_cache=False).logits
+        alive_after_forward = recompute.live_entries()
+        rsp_hf.causal_lm_loss(logits, shard["shift_labels"], topology=topo, gradients_averaged_over_sp=False).backward()
+    return {
+        "calls": dict(comm.calls), "kernel": dict(calls), "grads": [p.grad.clone() for p in model.parameters()],
+        "alive_after_forward": alive_after_forward, "alive_after_backward": recompute.live_entries(),
+    }

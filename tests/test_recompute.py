@@ -56,6 +56,20 @@ def test_checkpointed_equals_plain(pools, mode: str, world_size: int, wrappers: 
             assert got["alive_after_forward"] == ([4] if order == "pipeline" else [2, 2]), wrapper
 
 
+@pytest.mark.parametrize("checkpointing", ["reentrant", "non_reentrant"])
+def test_transformers_gradient_checkpointing(pools, checkpointing: str) -> None:
+    """transformers' ``gradient_checkpointing_enable()`` on an ``attn_implementation="ring_sp"``
+    Llama: the re-run reuses the ring's result (same exchanges and kernel calls as without
+    checkpointing, one kept entry per layer until its backward) and the gradients are bitwise equal."""
+    pytest.importorskip("transformers")
+    pool = pools.get(4)
+    plain = pool.run(rc.transformers_case, "none", timeout=300)
+    for got, want in zip(pool.run(rc.transformers_case, checkpointing, timeout=300), plain):
+        _assert_same_grads(got["grads"], want["grads"])
+        _assert_counts_as_plain(got, want)
+        assert got["alive_after_forward"] == 2 and want["alive_after_forward"] == 0  # two layers kept
+
+
 def test_off_switch_recomputes(pools) -> None:
     pool = pools.get(2)
     plain = pool.run(rc.micro_batches_case, "ring", "none", [1], "accumulate")[0]

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import ring_sp
+from example_scripts import load_script
 from ring_sp.integrations.deepspeed import RingSPConfig
 from ring_sp.kernels import BACKENDS
 
@@ -101,12 +102,7 @@ _EXAMPLE_MODULE = "ring_sp_deepspeed_pretrain_gpt"  # not "pretrain_gpt": the Me
 
 def _example():
     """The example script as a module (its model, loss and DeepSpeed set-up)."""
-    if _EXAMPLE_MODULE not in sys.modules:
-        spec = importlib.util.spec_from_file_location(_EXAMPLE_MODULE, EXAMPLE / "pretrain_gpt.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_EXAMPLE_MODULE] = module
-        spec.loader.exec_module(module)
-    return sys.modules[_EXAMPLE_MODULE]
+    return load_script(_EXAMPLE_MODULE, EXAMPLE / "pretrain_gpt.py")
 
 
 def _prepare_rank() -> None:

@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 import torch
 
+from example_scripts import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "transformers"
 DS_ENV = {"DS_ACCELERATOR": "cpu"}  # the same pools as tests/test_deepspeed.py
@@ -40,12 +42,7 @@ _EXAMPLE_MODULE = "ring_sp_transformers_train_llama_trainer"
 
 def _example():
     """The example script as a module (its Trainer set-up)."""
-    if _EXAMPLE_MODULE not in sys.modules:
-        spec = importlib.util.spec_from_file_location(_EXAMPLE_MODULE, EXAMPLE / "train_llama_trainer.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[_EXAMPLE_MODULE] = module
-        spec.loader.exec_module(module)
-    return sys.modules[_EXAMPLE_MODULE]
+    return load_script(_EXAMPLE_MODULE, EXAMPLE / "train_llama_trainer.py")
 
 
 def _prepare_rank() -> None:

@@ -651,20 +651,25 @@ def _report() -> None:
     rows += [("qwen3", 2, 2, False, "fp32", 4), ("qwen3", 1, 4, True, "fp32", 4), ("mistral", 4, 1, False, "fp32", 4),
              ("mistral", 2, 2, True, "fp32", 4), ("llama", 2, 4, False, "fp32", 8), ("llama", 2, 4, True, "fp32", 8),
              ("llama", 2, 2, False, "bf16", 4), ("llama", 2, 2, True, "bf16", 4)]
+    rows = [(*row, {}) for row in rows]
+    rows += [("mistral", 2, 2, False, "fp32", 4, WINDOWED["mistral"]), ("mistral", 1, 4, True, "fp32", 4, WINDOWED["mistral"]),
+             ("qwen3", 2, 2, True, "fp32", 4, WINDOWED["qwen3"]), ("gpt_oss", 2, 2, False, "fp32", 4, {}),
+             ("gpt_oss", 2, 2, True, "fp32", 4, {}), ("gpt_oss", 1, 4, True, "fp32", 4, {}),
+             ("llama", 2, 2, False, "fp32", 4, {"seq": 29}), ("mistral", 2, 2, True, "fp32", 4, {"docs": ODD_DOCS, **WINDOWED["mistral"]})]
     pools = PoolManager(max_alive=1)
-    print("| model | U x R | batch | dtype | logits err / max(1, max abs logit) | max param grad err / its max | loss err |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | options | U x R | batch | dtype | logits err / max(1, max abs logit) | max param grad err / its max | loss err |")
+    print("|---|---|---|---|---|---|---|---|")
     try:
-        for arch, u, r, packed, dtype, world in rows:
+        for arch, u, r, packed, dtype, world, options in rows:
             results = pools.get(world).run(equivalence_case, arch, u, r, packed, dtype, "from_config",
-                                           1 if world == 8 else 2, timeout=300)
+                                           1 if world == 8 else 2, **options, timeout=300)
             if dtype == "bf16":
                 worst = {k: max(res["sp"][k] for res in results) for k in ("logits", "grads", "loss")}
                 one = {k: max(res["one_rank"][k] for res in results) for k in ("logits", "grads", "loss")}
                 cells = [f"{worst[k]:.2e} (1 rank bf16: {one[k]:.2e})" for k in ("logits", "grads", "loss")]
             else:
                 cells = [f"{max(res[k] for res in results):.2e}" for k in ("logits", "grads", "loss")]
-            print(f"| {arch} | {u}x{r} | {'packed' if packed else 'unpacked'} | {dtype} | " + " | ".join(cells) + " |",
+            print(f"| {arch} | {options or ''} | {u}x{r} | {'packed' if packed else 'unpacked'} | {dtype} | " + " | ".join(cells) + " |",
                   flush=True)
     finally:
         pools.close()

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
 
 VOCAB = 64
 DOCS = (5, 12, 1, 9, 5)  # packed row of 32 tokens: a 1-token document, documents across shard borders
+ODD_DOCS = (5, 12, 1, 9, 2)  # 29 tokens: not a multiple of 2 x SP = 8
 FP32_LOGITS, FP32_GRADS = 2e-4, 1e-4
+WINDOW = 6  # a sliding window smaller than every sequence here, crossing the shard borders (4 tokens per chunk)
 
 
 # ---------------------------------------------------------------- helpers run on the ranks
@@ -50,9 +52,9 @@ def _config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any):
         config = Qwen3Config(**common, use_sliding_window=False)
     elif arch == "mistral":
         config = MistralConfig(**common, sliding_window=None)
-    elif arch == "gpt_oss":  # attention sinks; every layer full (its window is then unused)
-        config = GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=1, sliding_window=128,
-                              layer_types=["full_attention"] * 2)
+    elif arch == "gpt_oss":  # attention sinks; a sliding layer then a full one (gpt-oss's pattern)
+        config = GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=1, sliding_window=WINDOW,
+                              layer_types=["sliding_attention", "full_attention"])
     else:
         raise ValueError(arch)
     for key, value in overrides.items():
@@ -60,35 +62,28 @@ def _config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any):
     return config
 
 
-def _global_batch(packed: bool, rows: int = 2, seq: int = 32) -> dict[str, torch.Tensor]:
-    """The same GLOBAL batch on every rank. Packed: one row in DataCollatorWithFlattening's form."""
+def _global_batch(packed: bool, rows: int = 2, seq: int = 32, docs: tuple[int, ...] = DOCS) -> dict[str, torch.Tensor]:
+    """The same GLOBAL batch on every rank. Packed: one row of ``docs`` in DataCollatorWithFlattening's form."""
     g = torch.Generator().manual_seed(7)
     if not packed:
         ids = torch.randint(0, VOCAB, (rows, seq), generator=g)
         labels = ids.clone()
         labels[:, :3] = -100  # ranks then hold different numbers of valid tokens
         return {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
-    ids = torch.randint(0, VOCAB, (1, sum(DOCS)), generator=g)
-    positions = torch.cat([torch.arange(n) for n in DOCS]).unsqueeze(0)
+    ids = torch.randint(0, VOCAB, (1, sum(docs)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
     labels = ids.clone()
     labels[positions == 0] = -100  # the collator's separator: no target across documents
     return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
-def _real_tokens(shard: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Indices of the global row's real tokens inside the (possibly padded) sharded row."""
-    if "cu_seq_lens_q" not in shard:
-        return torch.arange(sum(DOCS))  # unused for unpacked rows
-    cu = shard["cu_seq_lens_q"].tolist()
-    return torch.cat([torch.arange(a, a + n) for a, n in zip(cu, DOCS)])
-
-
 def _models(arch: str, dtype: torch.dtype, how: str, **config_overrides: Any):
-    """(reference with "sdpa", SP copy with "ring_sp"): same weights."""
+    """(reference with "sdpa", or "eager" for gpt-oss's sinks, SP copy with "ring_sp"): same weights."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    reference = AutoModelForCausalLM.from_config(_config(arch, **config_overrides), attn_implementation="sdpa")
+    reference_impl = "eager" if arch == "gpt_oss" else "sdpa"  # transformers' sdpa path has no sinks
+    reference = AutoModelForCausalLM.from_config(_config(arch, **config_overrides), attn_implementation=reference_impl)
     reference = reference.to(dtype).train()
     if how == "set":
         model = copy.deepcopy(reference)
@@ -101,8 +96,20 @@ def _models(arch: str, dtype: torch.dtype, how: str, **config_overrides: Any):
     return reference, model
 
 
+def _packed_masks(model, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's masks with packed documents: its model (transformers 5.18) builds them without
+    position_ids, so its eager/sdpa paths would let documents see each other."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kwargs = dict(config=model.config, inputs_embeds=model.get_input_embeddings()(inputs["input_ids"]), attention_mask=None,
+                  past_key_values=None, position_ids=inputs["position_ids"])
+    return {"full_attention": create_causal_mask(**kwargs), "sliding_attention": create_sliding_window_causal_mask(**kwargs)}
+
+
 def _reference_run(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
     inputs = {k: v for k, v in batch.items() if k != "attention_mask"}
+    if model.config.model_type == "gpt_oss" and "position_ids" in inputs:
+        inputs["attention_mask"] = _packed_masks(model, inputs)
     out = model(**inputs, use_cache=False)
     out.loss.backward()
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
@@ -126,8 +133,10 @@ def _sp_run(model, batch: dict[str, torch.Tensor], topo) -> tuple[dict, torch.Te
         grads[name] = g
     cu = shard.get("cu_seq_lens_q")
     layout = layout_for("zigzag", packed=cu is not None)
-    gathered = {key: topo.gather_sequence(shard[key], layout=layout, cu_seqlens=cu) for key in ("input_ids", "position_ids")}
-    gathered["logits"] = topo.gather_sequence(logits.detach().float(), layout=layout, cu_seqlens=cu)
+    real = batch["input_ids"].numel() if cu is not None else None  # one flattened row: drop its tail padding
+    gathered = {key: topo.gather_sequence(shard[key], layout=layout, cu_seqlens=cu, seq_len=real)
+                for key in ("input_ids", "position_ids")}
+    gathered["logits"] = topo.gather_sequence(logits.detach().float(), layout=layout, cu_seqlens=cu, seq_len=real)
     return shard, gathered, loss.item(), grads
 
 
@@ -143,22 +152,22 @@ def _errors(ref_logits, gathered, shard, batch, ref_loss, loss, ref_grads, grads
     """C19's errors, plus whether the gathered shards' ids and positions are the global ones."""
     logits, ids, positions = gathered["logits"], gathered["input_ids"], gathered["position_ids"]
     want_positions = batch.get("position_ids", torch.arange(batch["input_ids"].shape[1]).expand_as(batch["input_ids"]))
-    if "cu_seq_lens_q" in shard:  # packed: drop the padding document_zigzag added
-        real = _real_tokens(shard)
-        logits, ids, positions = logits[:, real], ids[:, real], positions[:, real]
+    if "cu_seq_lens_q" in shard:  # one flattened row (padding already dropped): back to the batch's rows
+        rows = batch["input_ids"].shape
+        logits, ids, positions = logits.reshape(*rows, -1), ids.reshape(rows), positions.reshape(rows)
     return {**_scaled(logits, ref_logits, grads, ref_grads), "loss": abs(loss - ref_loss),
             "ids_equal": torch.equal(ids, batch["input_ids"]), "positions_equal": torch.equal(positions, want_positions)}
 
 
 def equivalence_case(arch: str, u: int, r: int, packed: bool, dtype_name: str = "fp32", how: str = "from_config",
-                     rows: int = 2, **config_overrides: Any) -> dict[str, Any]:
-    """SP model vs the same model with sdpa on one rank (see the module docstring)."""
+                     rows: int = 2, seq: int = 32, docs: tuple[int, ...] = DOCS, **config_overrides: Any) -> dict[str, Any]:
+    """SP model vs the same model with sdpa (eager for sinks) on one rank (see the module docstring)."""
     import dist_cases
     import ring_sp.integrations.transformers as rsp_hf
 
     topo = dist_cases.topology(u, r)
     assert rsp_hf.register(topo, layout="zigzag") == "ring_sp"
-    batch = _global_batch(packed, rows=rows)
+    batch = _global_batch(packed, rows=rows, seq=seq, docs=docs)
     if dtype_name == "fp32":
         reference, model = _models(arch, torch.float32, how, **config_overrides)
         ref_logits, ref_loss, ref_grads = _reference_run(reference, batch)
@@ -197,19 +206,31 @@ def _options(module=None, mask=None, kv_len: int = 8, **kwargs: Any) -> dict[str
 
 def test_call_options_translate_an_hf_call() -> None:
     assert _options(scaling=0.25, dropout=0.0, sliding_window=None, s_aux=None, position_ids=None, use_cache=True) == \
-        dict(causal=True, layout="zigzag", softmax_scale=0.25, backend="auto", cu_seqlens=None)
+        dict(causal=True, layout="zigzag", softmax_scale=0.25, backend="auto", cu_seqlens=None, sliding_window=None,
+             sinks=None)
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     packed = _options(cu_seq_lens_q=cu, cu_seq_lens_k=cu, is_causal=False)
     assert (packed["layout"], packed["cu_seqlens"], packed["causal"]) == ("document_zigzag", (0, 8, 16), False)
     assert _options(_Attention(is_causal=False))["causal"] is False
+    sinks = torch.nn.Parameter(torch.zeros(4))
+    assert _options(sliding_window=4, s_aux=sinks)["sliding_window"] == 4 and _options(s_aux=sinks)["sinks"] is sinks
+    module = _options(_Attention(sliding_window=16, sinks=sinks))  # gpt-oss keeps both on the module too
+    assert module["sliding_window"] == 16 and module["sinks"] is sinks
+
+
+def test_model_config_takes_sliding_layers_and_refuses_chunks() -> None:
+    from ring_sp.integrations.transformers.features import UnsupportedFeatureError, check_model_config
+
+    config = type("Config", (), {"model_type": "toy", "sliding_window": 4})()
+    config.layer_types = ["full_attention", "sliding_attention"]
+    check_model_config(config)  # Mistral-style config.sliding_window and mixed layer types run
+    config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(UnsupportedFeatureError, match=r"attention layer types \['chunked_attention'\]"):
+        check_model_config(config)
 
 
 @pytest.mark.parametrize("module,kwargs,mask,kv_len,pattern", [
     (None, {"dropout": 0.1}, None, 8, r"uses attention dropout 0.1"),
-    (None, {"sliding_window": 4}, None, 8, r"uses a sliding window of 4 tokens"),
-    ("window", {}, None, 8, r"uses a sliding window of 16 tokens"),
-    ("sinks", {}, None, 8, r"uses attention sinks"),
-    (None, {"s_aux": torch.zeros(4)}, None, 8, r"uses attention sinks"),
     (None, {"softcap": 30.0}, None, 8, r"uses attention logit softcapping"),
     (None, {"position_bias": torch.zeros(1)}, None, 8, r"uses an additive attention bias \(position_bias\)"),
     (None, {}, torch.zeros(1, 1, 8, 8), 8, r"uses a 4-D attention mask"),
@@ -218,9 +239,8 @@ def test_call_options_translate_an_hf_call() -> None:
 def test_unsupported_call_names_model_feature_and_fix(module, kwargs, mask, kv_len, pattern) -> None:
     import ring_sp.integrations.transformers as rsp_hf
 
-    modules = {"window": _Attention(sliding_window=16), "sinks": _Attention(sinks=torch.nn.Parameter(torch.zeros(4)))}
     with pytest.raises(rsp_hf.UnsupportedFeatureError, match=r"ToyForCausalLM \(model_type 'toy'\), _Attention of layer 3 " + pattern):
-        _options(modules.get(module), mask, kv_len, **kwargs)
+        _options(module, mask, kv_len, **kwargs)
 
 
 def test_cu_seq_lens_must_agree() -> None:
@@ -322,6 +342,35 @@ def test_llama_gqa_fp32(pools, u: int, r: int, packed: bool) -> None:
 ])
 def test_qwen3_mistral_fp32(pools, arch: str, u: int, r: int, packed: bool, how: str) -> None:
     _check_fp32(pools.get(4).run(equivalence_case, arch, u, r, packed, "fp32", how, timeout=300))
+
+
+WINDOWED = {  # a window on every layer (Mistral), on some layers (Qwen3 layer_types), sinks + alternating (gpt-oss)
+    "mistral": dict(sliding_window=WINDOW),
+    "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"]),
+    "gpt_oss": {},
+}
+
+
+@pytest.mark.parametrize("arch,u,r,packed", [
+    ("mistral", 2, 2, False),
+    ("mistral", 1, 4, True),
+    ("qwen3", 2, 2, True),
+    ("gpt_oss", 2, 2, False),
+    ("gpt_oss", 2, 2, True),
+])
+def test_sliding_windows_and_sinks_fp32(pools, arch: str, u: int, r: int, packed: bool) -> None:
+    """Windows smaller than the sequence and crossing shard borders, and gpt-oss's sinks (their
+    gradient summed over the SP group), equal the same model on one rank."""
+    _check_fp32(pools.get(4).run(equivalence_case, arch, u, r, packed, "fp32", "from_config", **WINDOWED[arch],
+                                 timeout=300))
+
+
+@pytest.mark.parametrize("arch,packed", [("llama", False), ("mistral", True)], ids=["unpacked", "packed"])
+def test_any_length_fp32(pools, arch: str, packed: bool) -> None:
+    """29 tokens per row (not a multiple of 2 x SP = 8) on U2xR2: unpacked rows become documents of one
+    flattened row; packed documents of any length; the tail padding never reaches loss or logits."""
+    _check_fp32(pools.get(4).run(equivalence_case, arch, 2, 2, packed, "fp32", "from_config", 2, 29, ODD_DOCS,
+                                 **WINDOWED.get(arch, {}), timeout=300))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
@@ -443,10 +492,7 @@ def unsupported_features_case() -> dict[str, tuple[str, int]]:
     for layer in range(2):
         cache.update(torch.zeros(2, 2, n, 8), torch.zeros(2, 2, n, 8), layer)
     scenarios = {
-        "mistral_window": (build("mistral", sliding_window=16), {}),
-        "qwen3_window_layers": (build("qwen3", use_sliding_window=True, sliding_window=16, max_window_layers=1,
-                                      layer_types=["full_attention", "sliding_attention"]), {}),
-        "gpt_oss_sinks": (build("gpt_oss"), {}),
+        "chunked": (build("llama", attention_chunk_size=8), {}),
         "dropout": (build("llama", attention_dropout=0.1), {}),
         "dropout_in_eval": (build("llama", attention_dropout=0.1).eval(), {}),  # transformers passes dropout=0.0: runs
         "padding_mask": (build("llama"), {"attention_mask": mask}),
@@ -470,9 +516,7 @@ def unsupported_features_case() -> dict[str, tuple[str, int]]:
 
 
 _EXPECTED = {
-    "mistral_window": r"model_type 'mistral'\)? uses a sliding window of 16 tokens .*set config.sliding_window = None",
-    "qwen3_window_layers": r"model_type 'qwen3'\)? uses attention layer types \['sliding_attention'\] .*full_attention",
-    "gpt_oss_sinks": r"model_type 'gpt_oss'\)?, GptOssAttention of layer 0 uses attention sinks .*s_aux",
+    "chunked": r"model_type 'llama'\)? uses chunked attention of 8 tokens .*attention_chunk_size = None",
     "dropout": r"model_type 'llama'\)?, LlamaAttention of layer 0 uses attention dropout 0.1 .*attention_dropout = 0.0",
     "padding_mask": r"model_type 'llama'\)? uses a padding attention_mask .*DataCollatorWithFlattening",
     "mask_4d": r"model_type 'llama'\)?, LlamaAttention of layer 0 uses a 4-D attention mask .*pass no attention_mask",
@@ -607,20 +651,25 @@ def _report() -> None:
     rows += [("qwen3", 2, 2, False, "fp32", 4), ("qwen3", 1, 4, True, "fp32", 4), ("mistral", 4, 1, False, "fp32", 4),
              ("mistral", 2, 2, True, "fp32", 4), ("llama", 2, 4, False, "fp32", 8), ("llama", 2, 4, True, "fp32", 8),
              ("llama", 2, 2, False, "bf16", 4), ("llama", 2, 2, True, "bf16", 4)]
+    rows = [(*row, {}) for row in rows]
+    rows += [("mistral", 2, 2, False, "fp32", 4, WINDOWED["mistral"]), ("mistral", 1, 4, True, "fp32", 4, WINDOWED["mistral"]),
+             ("qwen3", 2, 2, True, "fp32", 4, WINDOWED["qwen3"]), ("gpt_oss", 2, 2, False, "fp32", 4, {}),
+             ("gpt_oss", 2, 2, True, "fp32", 4, {}), ("gpt_oss", 1, 4, True, "fp32", 4, {}),
+             ("llama", 2, 2, False, "fp32", 4, {"seq": 29}), ("mistral", 2, 2, True, "fp32", 4, {"docs": ODD_DOCS, **WINDOWED["mistral"]})]
     pools = PoolManager(max_alive=1)
-    print("| model | U x R | batch | dtype | logits err / max(1, max abs logit) | max param grad err / its max | loss err |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | options | U x R | batch | dtype | logits err / max(1, max abs logit) | max param grad err / its max | loss err |")
+    print("|---|---|---|---|---|---|---|---|")
     try:
-        for arch, u, r, packed, dtype, world in rows:
+        for arch, u, r, packed, dtype, world, options in rows:
             results = pools.get(world).run(equivalence_case, arch, u, r, packed, dtype, "from_config",
-                                           1 if world == 8 else 2, timeout=300)
+                                           1 if world == 8 else 2, **options, timeout=300)
             if dtype == "bf16":
                 worst = {k: max(res["sp"][k] for res in results) for k in ("logits", "grads", "loss")}
                 one = {k: max(res["one_rank"][k] for res in results) for k in ("logits", "grads", "loss")}
                 cells = [f"{worst[k]:.2e} (1 rank bf16: {one[k]:.2e})" for k in ("logits", "grads", "loss")]
             else:
                 cells = [f"{max(res[k] for res in results):.2e}" for k in ("logits", "grads", "loss")]
-            print(f"| {arch} | {u}x{r} | {'packed' if packed else 'unpacked'} | {dtype} | " + " | ".join(cells) + " |",
+            print(f"| {arch} | {options or ''} | {u}x{r} | {'packed' if packed else 'unpacked'} | {dtype} | " + " | ".join(cells) + " |",
                   flush=True)
     finally:
         pools.close()

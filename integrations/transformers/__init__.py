@@ -10,11 +10,13 @@
 
 * :func:`register`: ring_sp as an ``attn_implementation`` (attention + a mask hook that
   builds no mask), :func:`registered_topology` / :func:`registration`: what was registered.
-* :func:`shard_batch`: a global HF batch (padding-free packing included) -> this rank's shard.
+* :func:`shard_batch`: a global HF batch of any length (padding-free packing included) ->
+  this rank's shard. Sliding windows (``sliding_window``, ``layer_types``) and attention
+  sinks (gpt-oss) run exactly.
 * :func:`causal_lm_loss`: the exact loss over the SP group, scaled for the engine in use.
 * :class:`UnsupportedFeatureError`: what an unsupported model feature raises, on every rank,
-  before any collective (sliding windows, sinks, attention dropout, padding or custom
-  masks, generation with a KV cache).
+  before any collective (chunked attention, attention dropout, padding or custom masks,
+  generation with a KV cache).
 
 Importing this package does not import transformers: :func:`register` does.
 """

@@ -10,6 +10,11 @@ Hugging Face conventions in, ring_sp's sharding out:
   the whole row (``cu_seq_lens_q`` / ``cu_seq_lens_k``, GLOBAL and equal on every rank, which
   transformers forwards to the attention) and the document-aware layout; labels are shifted
   inside each document;
+* a batch whose length ``N`` is not a multiple of the layout's unit (``2 x SP`` for zigzag)
+  is treated as packed: each row one document, all rows one flattened row, so the data and
+  the attention (which turns ``zigzag`` into ``document_zigzag`` whenever ``cu_seq_lens``
+  are given) always agree; ring_sp's ``shard_batch`` pads the row's end (its own document,
+  labels ignored), and ``seq_len=`` of ``gather_sequence`` drops it again;
 * an ``attention_mask`` must be all ones (padding is not supported) and is dropped.
 """
 
@@ -20,9 +25,9 @@ from typing import Any
 
 import torch
 
-from ring_sp import LAYOUTS, SequenceParallelTopology, pad_documents
+from ring_sp import LAYOUTS, SequenceParallelTopology
 from ring_sp import shard_batch as ring_sp_shard_batch
-from ring_sp.layouts import Boundaries, as_boundaries
+from ring_sp.layouts import Boundaries, as_boundaries, layout_unit
 
 from .attention import registration
 from .features import layout_for
@@ -77,18 +82,6 @@ def _documents(batch: dict[str, Any], b: int, n: int) -> Boundaries | None:
     return given
 
 
-def _pad_for_document_zigzag(batch: dict[str, torch.Tensor], boundaries: Boundaries, sp_size: int,
-                             pad_id: int) -> tuple[dict[str, torch.Tensor], Boundaries]:
-    """``document_zigzag`` needs every document to be a multiple of ``2 x SP`` tokens today.
-
-    The ONE place that pads (at each document's end; labels get the ignore index, so padding
-    never enters the loss): delete it once ring_sp's layouts accept any document length.
-    """
-    if sp_size == 1:
-        return batch, boundaries  # one rank holds every document whole
-    return pad_documents(batch, boundaries, 2 * sp_size, pad_id=pad_id)
-
-
 def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | None, *, layout: str = "zigzag",
                 pad_id: int = 0) -> dict[str, torch.Tensor]:
     """This rank's shard of a GLOBAL Hugging Face batch, ready for ``model(**shard)``.
@@ -101,12 +94,15 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
     to :func:`register`.
 
     Returns ``input_ids``, ``position_ids`` (global, in layout order) and ``shift_labels``,
-    each ``[b, N / sp_size]``. Packed documents (positions restarting) make ONE row of all
-    ``b`` rows, use the document-aware layout (``zigzag`` -> ``document_zigzag``, each
-    document padded to a multiple of ``2 x sp_size`` with ``pad_id``) and add
+    each ``[b, N / sp_size]``. Packed documents (positions restarting), or a length ``N``
+    that is not a multiple of :func:`ring_sp.layouts.layout_unit` (each row then one
+    document), make ONE row of all ``b`` rows of any document lengths, use the
+    document-aware layout (``zigzag`` -> ``document_zigzag``), get padded at the row's end
+    only (to a multiple of the unit, with ``pad_id``; labels ignored) and add
     ``cu_seq_lens_q`` = ``cu_seq_lens_k``: int32 ``[docs + 1]`` boundaries of the GLOBAL
-    row, the same on every rank, which the model forwards to the attention. No
-    communication: every rank calls it with the same global batch.
+    row (the padding its own last document), the same on every rank, which the model
+    forwards to the attention; gather logits with ``seq_len=b * N`` to drop the padding.
+    No communication: every rank calls it with the same global batch.
     """
     if topology is not None and not isinstance(topology, SequenceParallelTopology):
         raise TypeError(f"topology must be a ring_sp.SequenceParallelTopology or None; got {type(topology).__name__}")
@@ -136,16 +132,17 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
         full["position_ids"] = full["position_ids"].expand(b, n)
     boundaries = _documents(full, b, n)
     sp_size, sp_rank = (1, 0) if topology is None else (topology.sp_size, topology.sp_rank)
+    if boundaries is None and n % layout_unit(layout, sp_size):
+        boundaries = tuple(range(0, b * n + 1, n))  # any length: each row one document, flattened
     layout = layout_for(layout, packed=boundaries is not None)
     if boundaries is not None:
         full = {key: value.reshape(1, b * n, *value.shape[2:]) for key, value in full.items()}  # one packed row
-        if layout == "document_zigzag":
-            full, boundaries = _pad_for_document_zigzag(full, boundaries, sp_size, pad_id)
-    shard = ring_sp_shard_batch(full, rank=sp_rank, world_size=sp_size, layout=layout, shift=True, cu_seqlens=boundaries)
+    shard = ring_sp_shard_batch(full, rank=sp_rank, world_size=sp_size, layout=layout, shift=True, cu_seqlens=boundaries,
+                                pad_id=pad_id)
     shard["shift_labels"] = shard.pop("labels")
-    if boundaries is not None:
-        cu = torch.tensor(boundaries, dtype=torch.int32, device=input_ids.device)
-        shard["cu_seq_lens_q"] = shard["cu_seq_lens_k"] = cu
+    cu = shard.pop("cu_seqlens", None)  # the GLOBAL boundaries, the tail padding as its own document
+    if cu is not None:
+        shard["cu_seq_lens_q"] = shard["cu_seq_lens_k"] = cu.to(device=input_ids.device, dtype=torch.int32)
     return shard
 
 

@@ -4,12 +4,14 @@
 module's attributes plus the keyword arguments transformers passes to an
 ``AttentionInterface`` function) becomes ring_sp keyword arguments. A feature ring_sp does
 not support yet raises :class:`UnsupportedFeatureError` naming the model, the feature and
-the fix; when ring_sp gains one (sliding windows and sinks are under way), pass it through
-here instead of raising.
+the fix. Sliding windows (the layer's ``sliding_window``: query ``i`` sees keys
+``i - W < j <= i``, transformers' ``sliding_window_overlay`` and ring_sp's meaning) and
+attention sinks (gpt-oss's ``s_aux``: one logit per head joined to the scores unscaled and
+dropped after the softmax, ring_sp's ``sinks=``) pass straight through.
 
 :func:`check_model_config` is the model-wide part of the same checks, run by the mask hook
-once per forward before the first layer, so a model whose LATER layers use a sliding
-window fails before layer 0 starts any collective. Both are pure and local: every rank
+once per forward before the first layer, so a model whose LATER layers use chunked
+attention fails before layer 0 starts any collective. Both are pure and local: every rank
 given the same model and batch raises the same error before any communication.
 """
 
@@ -44,23 +46,22 @@ def _unsupported(where: str, feature: str, fix: str) -> UnsupportedFeatureError:
     )
 
 
+_LAYER_TYPES = ("full_attention", "sliding_attention")  # what ring_sp runs: causal, with or without a window
+
+
 def check_model_config(config: Any) -> None:
-    """Model-wide features ring_sp cannot run (sliding windows, chunked attention). Pure."""
+    """Model-wide features ring_sp cannot run (layer types other than full and sliding
+    attention, chunked attention). Pure."""
     where = model_name(config)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        other = sorted({t for t in layer_types if t != "full_attention"})
+        other = sorted({t for t in layer_types if t not in _LAYER_TYPES})
         if other:
             raise _unsupported(
                 where, f"attention layer types {other} (config.layer_types)",
-                "use a config whose layer_types are all 'full_attention' (e.g. use_sliding_window=False), or "
-                "another attn_implementation for this model",
+                f"use a config whose layer_types are among {list(_LAYER_TYPES)}, or another attn_implementation "
+                "for this model",
             )
-    elif getattr(config, "sliding_window", None) is not None:  # Mistral-style: one window for every layer
-        raise _unsupported(
-            where, f"a sliding window of {config.sliding_window} tokens (config.sliding_window)",
-            "set config.sliding_window = None (full causal attention) before building the model",
-        )
     if getattr(config, "attention_chunk_size", None) is not None:
         raise _unsupported(
             where, f"chunked attention of {config.attention_chunk_size} tokens (config.attention_chunk_size)",
@@ -107,8 +108,9 @@ def ring_sp_call_options(module: torch.nn.Module, query: torch.Tensor, key: torc
     ``query`` ``[b, h, n, d]`` and ``key`` ``[b, h_kv, n_kv, d]`` as transformers passes them;
     ``layout`` / ``backend``: the registered ones (``layout`` turns document-aware when
     documents are given). ``boundaries``: turns a ``cu_seq_lens_*`` tensor into a tuple (the
-    caller may cache it across layers). Returns ``causal``, ``layout``,
-    ``softmax_scale``, ``backend``, ``cu_seqlens`` for :func:`ring_sp.hybrid_attention`.
+    caller may cache it across layers). Returns ``causal``, ``layout``, ``softmax_scale``,
+    ``backend``, ``cu_seqlens``, ``sliding_window`` (int or None) and ``sinks`` (``[h]`` or
+    None) for :func:`ring_sp.hybrid_attention`, which validates the last two.
     """
     config = getattr(module, "config", None)
     where = model_name(config, module)
@@ -134,16 +136,7 @@ def ring_sp_call_options(module: torch.nn.Module, query: torch.Tensor, key: torc
             "set config.attention_dropout = 0.0 (ring_sp attention has no dropout)",
         )
     sliding_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    if sliding_window is not None:
-        raise _unsupported(
-            where, f"a sliding window of {sliding_window} tokens", "set config.sliding_window = None",
-        )
     sinks = kwargs.get("s_aux", kwargs.get("sinks", getattr(module, "sinks", None)))
-    if sinks is not None:
-        raise _unsupported(
-            where, "attention sinks (a learned per-head softmax offset, s_aux)",
-            "use a model without sinks, or another attn_implementation",
-        )
     if kwargs.get("softcap") is not None:
         raise _unsupported(where, f"attention logit softcapping ({kwargs['softcap']})", "set config.attn_logit_softcapping = None")
     for name in ("position_bias", "alibi", "head_mask"):
@@ -153,18 +146,22 @@ def ring_sp_call_options(module: torch.nn.Module, query: torch.Tensor, key: torc
     causal = getattr(module, "is_causal", True) if causal is None else causal
     cu_seqlens = _cu_seqlens(kwargs, where, boundaries)
     return dict(causal=bool(causal), layout=layout_for(layout, packed=cu_seqlens is not None),
-                softmax_scale=kwargs.get("scaling"), backend=backend, cu_seqlens=cu_seqlens)
+                softmax_scale=kwargs.get("scaling"), backend=backend, cu_seqlens=cu_seqlens,
+                sliding_window=sliding_window, sinks=sinks)
 
 
 def check_positions(position_ids: torch.Tensor | None, layout: str, sp_size: int, where: str) -> None:
     """Catch the easy mistake of a shard without its GLOBAL ``position_ids``.
 
     transformers then numbers the shard's tokens 0..n-1, and RoPE would silently use the
-    wrong positions. Under ``zigzag`` / ``document_zigzag`` over several ranks no rank's
-    shard has positions 0..n-1 (every rank holds two chunks of every document), so every
-    rank raises together. One host sync; the caller runs it once per forward.
+    wrong positions. Checked only for UNPACKED batches (``layout == "zigzag"``, no
+    ``cu_seq_lens``): over several ranks no rank's correct zigzag shard holds 0..n-1 (every
+    rank holds a chunk from the second half), so a correct run never raises and a wrong one
+    raises on every rank together. Packed documents of any length are left alone: their
+    uneven chunks could make one rank's correct shard read 0..n-1 and raise on that rank
+    only (a hang). One host sync; the caller runs it once per forward.
     """
-    if position_ids is None or sp_size == 1 or layout not in ("zigzag", "document_zigzag") or position_ids.shape[-1] < 2:
+    if position_ids is None or sp_size == 1 or layout != "zigzag" or position_ids.shape[-1] < 2:
         return
     local = torch.arange(position_ids.shape[-1], device=position_ids.device)
     if bool((position_ids == local).all()):

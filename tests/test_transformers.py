@@ -41,7 +41,7 @@ WINDOW = 6  # a sliding window smaller than every sequence here, crossing the sh
 # ---------------------------------------------------------------- helpers run on the ranks
 
 def _config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any):
-    from transformers import GptOssConfig, LlamaConfig, MistralConfig, Qwen3Config
+    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=256,
@@ -55,6 +55,9 @@ def _config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any):
     elif arch == "gpt_oss":  # attention sinks; a sliding layer then a full one (gpt-oss's pattern)
         config = GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=1, sliding_window=WINDOW,
                               layer_types=["sliding_attention", "full_attention"])
+    elif arch == "gemma3":  # its own scale (query_pre_attn_scalar), sliding and full layers with their own RoPE
+        config = Gemma3TextConfig(**common, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                  layer_types=["sliding_attention", "full_attention"])
     else:
         raise ValueError(arch)
     for key, value in overrides.items():
@@ -344,8 +347,9 @@ def test_qwen3_mistral_fp32(pools, arch: str, u: int, r: int, packed: bool, how:
     _check_fp32(pools.get(4).run(equivalence_case, arch, u, r, packed, "fp32", how, timeout=300))
 
 
-WINDOWED = {  # a window on every layer (Mistral), on some layers (Qwen3 layer_types), sinks + alternating (gpt-oss)
+WINDOWED = {  # a window on every layer (Mistral), on some layers (Qwen3 layer_types, Gemma 3), sinks + alternating (gpt-oss)
     "mistral": dict(sliding_window=WINDOW),
+    "gemma3": {},
     "qwen3": dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"]),
     "gpt_oss": {},
 }
@@ -357,6 +361,8 @@ WINDOWED = {  # a window on every layer (Mistral), on some layers (Qwen3 layer_t
     ("qwen3", 2, 2, True),
     ("gpt_oss", 2, 2, False),
     ("gpt_oss", 2, 2, True),
+    ("gemma3", 2, 2, False),
+    ("gemma3", 2, 2, True),
 ])
 def test_sliding_windows_and_sinks_fp32(pools, arch: str, u: int, r: int, packed: bool) -> None:
     """Windows smaller than the sequence and crossing shard borders, and gpt-oss's sinks (their

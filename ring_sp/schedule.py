@@ -27,7 +27,6 @@ to local indices. Ranks hold disjoint tokens, so only the diagonal step has mask
 
 from __future__ import annotations
 
-import bisect
 import functools
 from dataclasses import dataclass
 
@@ -127,14 +126,28 @@ def _document_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> dict[int,
 Runs = dict[int, list[tuple[int, int, int]]]  # document -> [(global start, global stop, local start)]
 
 
+def _position_runs(positions: torch.Tensor, cu_seqlens: Boundaries | None, *,
+                   consecutive: bool = True) -> list[tuple[int, int, int, int]]:
+    """A shard's runs ``(local start, local stop, global position of the start, document)``:
+    cut where the document of ``cu_seqlens`` changes (None: one document, id 0) and, with
+    ``consecutive``, where the global position is not its predecessor's + 1. Vectorised."""
+    if positions.numel() == 0:
+        return []
+    docs = (torch.searchsorted(torch.tensor(cu_seqlens), positions, right=True) - 1 if cu_seqlens is not None
+            else torch.zeros_like(positions))
+    breaks = docs.diff() != 0
+    if consecutive:
+        breaks |= positions.diff() != 1
+    starts = torch.cat((torch.zeros(1, dtype=torch.long), breaks.nonzero().flatten() + 1))
+    stops = torch.cat((starts[1:], torch.tensor([positions.numel()])))
+    return list(zip(starts.tolist(), stops.tolist(), positions[starts].tolist(), docs[starts].tolist()))
+
+
 def _global_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> Runs:
     """Document id -> its runs of consecutive global positions in the (increasing) shard:
     ``(global start, global stop, local start)`` each."""
-    docs = torch.searchsorted(torch.tensor(cu_seqlens), positions, right=True) - 1
-    starts = torch.cat((torch.zeros(1, dtype=torch.long), ((positions.diff() != 1) | (docs.diff() != 0)).nonzero().flatten() + 1))
-    stops = torch.cat((starts[1:], torch.tensor([positions.numel()])))
     runs: Runs = {}
-    for doc, first, a, b in zip(docs[starts].tolist(), positions[starts].tolist(), starts.tolist(), stops.tolist()):
+    for a, b, first, doc in _position_runs(positions, cu_seqlens):
         runs.setdefault(doc, []).append((first, first + b - a, a))
     return runs
 
@@ -301,24 +314,10 @@ _Run = tuple[int, int, int, int]
 def _runs(positions: torch.Tensor, frame_start: int | None, cu_seqlens: Boundaries | None) -> list[_Run]:
     """A shard's runs of consecutive global positions (``frame_start`` None), or, for striped,
     its one run in the local frame starting at ``frame_start``; cut at document boundaries."""
-    n = positions.numel()
     if frame_start is None:
-        pos = positions.tolist()
-        cuts = [0] + [a for a in range(1, n) if pos[a] != pos[a - 1] + 1] + [n]
-        runs = [(a, b, pos[a]) for a, b in zip(cuts, cuts[1:])]
-    else:
-        runs = [(0, n, frame_start)]
-    if cu_seqlens is None:
-        return [(a, b, f, 0) for a, b, f in runs]
-    pos = positions.tolist()
-    out = []
-    for a, b, f in runs:
-        while a < b:  # split where the document changes (documents are runs of the local order)
-            doc = bisect.bisect_right(cu_seqlens, pos[a]) - 1
-            stop = bisect.bisect_left(pos, cu_seqlens[doc + 1], a, b)
-            out.append((a, stop, f, doc))
-            f, a = f + stop - a, stop
-    return out
+        return _position_runs(positions, cu_seqlens)
+    # striped: the local frame advances one per local token; only documents cut it
+    return [(a, b, frame_start + a, doc) for a, b, _, doc in _position_runs(positions, cu_seqlens, consecutive=False)]
 
 
 def window_step_tasks(layout: str, rank: int, source: int, world_size: int, local_len: int, window: int,

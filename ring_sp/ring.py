@@ -50,7 +50,6 @@ class RingSpec:
         plan = exchange_plan(layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
                              bool(getattr(kernel, "supports_window", False)), ulysses_size=ulysses_size)
         self.recv_rows, self.send_rows = plan.recv_rows, plan.send_rows
-        self.receives, self.sends = plan.receives, plan.sends
         # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
         self.schedule = tuple(
             tasks if step == 0 or not tasks else tuple(_kv_shifted(t, -plan.recv_rows[step][0]) for t in tasks)

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 import ring_sp
-from example_scripts import load_script
+from example_scripts import load_script, run_launcher
 from ring_sp.integrations.deepspeed import RingSPConfig
 from ring_sp.kernels import BACKENDS
 
@@ -435,18 +434,8 @@ def test_without_section_is_plain_deepspeed_and_bad_sections_raise_everywhere(po
         assert "mpu= cannot be combined with the 'ring_sp' config section" in errors["mpu"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_example(*args: str) -> list[dict[str, Any]]:
-    env = {**os.environ, "MASTER_PORT": str(_free_port()), "PYTHON": sys.executable}
-    proc = subprocess.run([str(EXAMPLE / "pretrain_gpt.sh"), "--cpu", *args], env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]  # stdout carries only JSON lines
+    return run_launcher(EXAMPLE / "pretrain_gpt.sh", *args, timeout=240)
 
 
 @needs_deepspeed

@@ -603,19 +603,12 @@ def test_deepspeed_engine_adopts_registration(pools, stage: int, packed: bool) -
 # ---------------------------------------------------------------- the example: SP = 2 x 2 vs one rank with sdpa
 
 def _run_example(*args: str, ranks: int = 4) -> list[dict[str, Any]]:
-    import json
-    import os
-    import socket
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_PORT": str(port), "PYTHON": sys.executable, "NUM_RANKS": str(ranks)}
+    from example_scripts import run_launcher
+
     script = Path(__file__).resolve().parents[1] / "examples" / "transformers" / "pretrain_llama.sh"
-    proc = subprocess.run([str(script), "--cpu", *args], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines()]  # stdout carries only JSON lines
+    return run_launcher(script, *args, ranks=ranks, timeout=300)
 
 
 _TINY = ["--seq-len", "64", "--d-model", "32", "--layers", "2", "--micro-batch", "2", "--lr", "1e-2", "--warmup", "2",

@@ -12,18 +12,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
-import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from example_scripts import load_script
+from example_scripts import load_script, run_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "transformers"
@@ -202,12 +198,6 @@ def test_unsupported_setups_raise(pools) -> None:
     assert "SequenceParallelTrainer.evaluate is not supported" in errors["evaluate"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_example_runs_and_saves_a_plain_transformers_model(tmp_path: Path) -> None:
     """train_llama_trainer.sh --cpu: the launcher, JSON lines on stdout, save_model loading without ring_sp.
 
@@ -215,13 +205,9 @@ def test_example_runs_and_saves_a_plain_transformers_model(tmp_path: Path) -> No
     """
     from transformers import AutoModelForCausalLM
 
-    env = {**os.environ, "MASTER_PORT": str(_free_port()), "PYTHON": sys.executable, "NUM_RANKS": "2"}
     args = [*MODEL, "--steps", "2", "--micro-batch", "2", "--ulysses-size", "1", "--ring-size", "2", "--log-json",
             "--save", "--output-dir", str(tmp_path)]
-    proc = subprocess.run([str(EXAMPLE / "train_llama_trainer.sh"), "--cpu", *args], env=env, capture_output=True,
-                          text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]  # stdout carries only JSON lines
+    lines = run_launcher(EXAMPLE / "train_llama_trainer.sh", *args, ranks=2, timeout=400)
     assert [r["step"] for r in lines] == [1, 2] and all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in lines), lines
     model = AutoModelForCausalLM.from_pretrained(tmp_path)  # plain transformers: nothing registered here
     assert model.config.num_key_value_heads == 2 and model.config._attn_implementation != "ring_sp"

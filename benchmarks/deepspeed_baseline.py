@@ -22,7 +22,10 @@ def deepspeed_ulysses(group: dist.ProcessGroup, local_attention: nn.Module) -> C
     import deepspeed.comm
     from deepspeed.sequence.layer import DistributedAttention
 
+    from ring_sp.integrations.deepspeed import skip_cpu_inference_comm_build
+
     if not deepspeed.comm.is_initialized():  # wraps the torch.distributed world already running
+        skip_cpu_inference_comm_build()  # on CPU the comm would JIT-compile a C++ op
         deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     module = DistributedAttention(local_attention, group, scatter_idx=2, gather_idx=1)
     return lambda q, k, v: module(q, k, v, 0)

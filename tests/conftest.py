@@ -1,14 +1,39 @@
-"""Shared fixtures: the multi-rank pools (see harness.py)."""
+"""Shared fixtures: the multi-rank pools (see harness.py), and a session that sees a fresh machine.
+
+The session's ``TORCH_EXTENSIONS_DIR`` is a private empty directory (each pool launch gets
+its own, see harness.py), so no test leans on a C++ op built earlier in the user's cache,
+and no killed build can leave a lock there that blocks a later run. Nothing in this
+project builds a C++ extension: the session fails at its end if any such directory was
+written to.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 from harness import PoolManager
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# set at import, before any pool's forkserver or subprocess inherits the environment
+SESSION_EXTENSIONS_DIR = tempfile.mkdtemp(prefix="ring_sp_test_ext_")
+os.environ["TORCH_EXTENSIONS_DIR"] = SESSION_EXTENSIONS_DIR
+
+
+def _files_under(path: str) -> list[str]:
+    return [os.path.join(root, f) for root, dirs, files in os.walk(path) for f in dirs + files]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_built():
+    """After the session: nothing (subprocesses included) wrote to the session's extensions dir."""
+    yield
+    built = _files_under(SESSION_EXTENSIONS_DIR)
+    shutil.rmtree(SESSION_EXTENSIONS_DIR, ignore_errors=True)
+    assert not built, f"a test built C++ extensions (TORCH_EXTENSIONS_DIR): {built}"
 
 
 @pytest.fixture(scope="session")
@@ -17,14 +42,13 @@ def pools():
     manager = PoolManager(max_alive=2)
     yield manager
     manager.close()
+    assert not manager.leftovers, f"a pool's ranks built C++ extensions (TORCH_EXTENSIONS_DIR): {manager.leftovers}"
 
 
 @pytest.fixture(scope="session")
 def single_rank():
     """A 1-rank gloo default group in the pytest process (for checks that need none of the
     pool's ranks). Pool ranks fork from a separate server, so they do not inherit it."""
-    import tempfile
-
     import torch.distributed as dist
 
     if not dist.is_initialized():

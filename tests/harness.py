@@ -5,6 +5,12 @@ one pool of worker processes alive and sends it cases (a picklable module-level 
 plus arguments). Every case runs on every rank; the driver collects one result per rank
 within a timeout. After any failure or timeout the pool is killed (each rank leads its
 own process group, so children die too) and the next case gets a fresh one.
+
+Nothing a killed launch leaves can block the next: each launch gets its own empty
+``TORCH_EXTENSIONS_DIR`` (a C++ build's lock file and half-built objects live there) and
+its own FileStore file, and both are deleted when the launch ends, whatever its end. What
+the extensions directory held at that moment is kept in :attr:`RankPool.leftovers` (a
+launch that ends cleanly should have built nothing).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -83,6 +90,8 @@ class RankPool:
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         self._init_file = ""
+        self.extensions_dir = ""  # this launch's TORCH_EXTENSIONS_DIR ("" when not running)
+        self.leftovers: list[str] = []  # files found in an extensions dir when its launch ended
 
     @property
     def alive(self) -> bool:
@@ -94,11 +103,13 @@ class RankPool:
         fd, self._init_file = tempfile.mkstemp(prefix="ring_sp_pg_")
         os.close(fd)
         os.unlink(self._init_file)  # the FileStore creates it; a stale file would confuse it
+        self.extensions_dir = tempfile.mkdtemp(prefix="ring_sp_ext_")
+        env = {**self.env, "TORCH_EXTENSIONS_DIR": self.extensions_dir}
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, self._init_file, child, list(sys.path), self.pg_timeout_s, self.env),
+                args=(rank, self.world_size, self._init_file, child, list(sys.path), self.pg_timeout_s, env),
                 daemon=True,
             )
             proc.start()
@@ -158,17 +169,35 @@ class RankPool:
         return results
 
     def kill(self) -> None:
+        """End this launch: SIGKILL every rank's process group, then delete what it left on disk."""
         for proc in self._procs:
-            if proc.pid is not None and proc.is_alive():
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if proc.pid is None:
+                continue
+            # also when the rank itself is gone: its children (a compiler, ...) keep its group. A
+            # reaped rank's pid is not reused while that group has members, so a live /proc/<pid>
+            # then means the group is empty and the pid belongs to someone else: leave it alone.
+            if not proc.is_alive() and os.path.exists(f"/proc/{proc.pid}"):
+                continue
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for proc in self._procs:
             proc.join(timeout=10)
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        if self.extensions_dir:
+            for root, dirs, files in os.walk(self.extensions_dir):
+                self.leftovers += [os.path.join(root, f) for f in dirs + files]
+            shutil.rmtree(self.extensions_dir, ignore_errors=True)
+            self.extensions_dir = ""
+        if self._init_file:
+            try:
+                os.unlink(self._init_file)
+            except FileNotFoundError:
+                pass
+            self._init_file = ""
 
     def close(self) -> None:
         for conn in self._conns:
@@ -187,6 +216,7 @@ class PoolManager:
     def __init__(self, max_alive: int = 2) -> None:
         self.max_alive = max_alive
         self._pools: OrderedDict[tuple, RankPool] = OrderedDict()
+        self.leftovers: list[str] = []  # of every pool closed so far (see RankPool.leftovers)
 
     def get(self, world_size: int, pg_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> RankPool:
         key = (world_size, pg_timeout_s, tuple(sorted((env or {}).items())))
@@ -196,6 +226,7 @@ class PoolManager:
         while len(self._pools) >= self.max_alive:
             _, oldest = self._pools.popitem(last=False)
             oldest.close()
+            self.leftovers += oldest.leftovers
         pool = RankPool(world_size, pg_timeout_s, env)
         self._pools[key] = pool
         return pool
@@ -203,4 +234,5 @@ class PoolManager:
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
+            self.leftovers += pool.leftovers
         self._pools.clear()

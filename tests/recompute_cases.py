@@ -53,7 +53,10 @@ def _deepspeed_checkpoint(fn, x):
     import deepspeed
     import deepspeed.comm
 
+    from ring_sp.integrations.deepspeed import skip_cpu_inference_comm_build
+
     if not deepspeed.comm.is_initialized():
+        skip_cpu_inference_comm_build()  # the comm would JIT-compile a C++ op on CPU
         deepspeed.comm.init_distributed(dist_backend="gloo", verbose=False)
     deepspeed.checkpointing.configure(None)
     return deepspeed.checkpointing.checkpoint(fn, x)

@@ -21,7 +21,7 @@ import torch
 
 import ring_sp
 from example_scripts import load_script, run_launcher
-from ring_sp.integrations.deepspeed import RingSPConfig
+from ring_sp.integrations.deepspeed import RingSPConfig, skip_cpu_inference_comm_build
 from ring_sp.kernels import BACKENDS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def _prepare_rank() -> None:
     import torch.distributed as dist
 
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # DeepSpeed requires it; one host
-    _example().skip_cpu_inference_comm_build()
+    skip_cpu_inference_comm_build()
 
 
 def _global_batch(step: int, samples: int) -> torch.Tensor:

@@ -561,7 +561,7 @@ def deepspeed_case(stage: int, packed: bool) -> dict[str, Any]:
 
     import ring_sp.integrations.deepspeed as rsp_ds
     import ring_sp.integrations.transformers as rsp_hf
-    from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build
+    from ring_sp.integrations.deepspeed import skip_cpu_inference_comm_build
 
     os.environ["LOCAL_RANK"] = str(dist.get_rank())  # DeepSpeed requires it; one host
     skip_cpu_inference_comm_build()

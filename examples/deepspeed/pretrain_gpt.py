@@ -44,7 +44,6 @@ import ring_sp  # noqa: E402
 import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 from examples.common.data import (VOCAB_SIZE, PackedDocuments, TokenWindows, corpus_documents,  # noqa: E402
                                   corpus_tokens, split_corpus)
-from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("ds_config.json")
@@ -259,7 +258,7 @@ def start_rank(args: argparse.Namespace) -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    skip_cpu_inference_comm_build()
+    rsp_ds.skip_cpu_inference_comm_build()  # on CPU: no JIT build of DeepSpeed's C++ shm op
     # DeepSpeed's ZeRO still calls the all-gather torch 2.13 deprecated: one warning per rank, not ours to fix
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
     if args.log_json:  # stdout carries only the JSON lines

@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 
 import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 from examples.common.data import TokenWindows, corpus_documents, corpus_tokens, split_corpus  # noqa: E402
-from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
 from examples.deepspeed.pretrain_gpt import common_args, ds_config_from_args  # noqa: E402
 from examples.transformers.pretrain_llama import llama_config  # noqa: E402  (the same small Llama)
@@ -103,7 +102,6 @@ class JsonProgress(TrainerCallback):
 def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
     """Everything up to ``trainer.train()`` (the tests call this on their own ranks)."""
     args = parse_args(argv)
-    skip_cpu_inference_comm_build()
     # DeepSpeed's ZeRO still calls the all-gather torch 2.13 deprecated: one warning per rank, not ours to fix
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
     ds_config = ds_config_from_args(args)

@@ -10,10 +10,13 @@ sequence parallelism on.
     loss = rsp_ds.cross_entropy(engine(batch["input_ids"], batch["position_ids"]), batch["labels"], engine)
 
 Importing this package imports neither DeepSpeed nor anything that communicates; the
-config part (:class:`RingSPConfig`) works without DeepSpeed installed.
+config part (:class:`RingSPConfig`) works without DeepSpeed installed. On CPU ranks nothing
+here lets DeepSpeed JIT-compile a C++ op (:func:`skip_cpu_inference_comm_build`, applied
+wherever this package starts DeepSpeed's comm).
 """
 
 from .config import SECTION, RingSPConfig
+from .cpu import skip_cpu_inference_comm_build
 from .data import PackingCollator, ShardingCollator, sequence_parallel_dataloader, sequence_parallel_sampler
 from .engine import build_topology, initialize, load_config
 from .loss import cross_entropy, gradients_averaged_over_sp
@@ -32,4 +35,5 @@ __all__ = [
     "load_config",
     "sequence_parallel_dataloader",
     "sequence_parallel_sampler",
+    "skip_cpu_inference_comm_build",
 ]

@@ -22,6 +22,7 @@ from ring_sp import SequenceParallelAttention, SequenceParallelTopology, init_se
 from ring_sp.integrations.transformers.attention import registration, uses_ring_sp  # imports no transformers
 
 from .config import SECTION, RingSPConfig
+from .cpu import skip_cpu_inference_comm_build
 from .mpu import SequenceParallelMPU
 
 _ARGS_CONFIG_ATTRS = ("deepspeed_config", "deepscale_config")  # where deepspeed.initialize looks in `args`
@@ -40,6 +41,8 @@ def _init_distributed(distributed_port: int | None = None, dist_init_required: b
     """What ``deepspeed.initialize`` does first: join (or adopt) the default process group."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+
+    skip_cpu_inference_comm_build()  # on CPU, DeepSpeed's comm would JIT-compile a C++ op here
 
     kwargs: dict[str, Any] = {"dist_init_required": dist_init_required}
     if distributed_port is not None:
@@ -156,10 +159,12 @@ def initialize(
     ``engine.ring_sp_config`` give the topology and the parsed section. The topology is the
     one the model's ``SequenceParallelAttention`` modules use, or a new one when the model
     has none. Compute the loss with :func:`ring_sp.integrations.deepspeed.cross_entropy`.
-    ``distributed_port=None`` means DeepSpeed's default.
+    ``distributed_port=None`` means DeepSpeed's default. On CPU ranks DeepSpeed's comm starts
+    without building its C++ shared-memory op (:func:`skip_cpu_inference_comm_build`).
     """
     import deepspeed
 
+    skip_cpu_inference_comm_build()  # also on the plain path: deepspeed.initialize starts the comm
     passthrough = dict(
         args=args, model=model, optimizer=optimizer, model_parameters=model_parameters, training_data=training_data,
         lr_scheduler=lr_scheduler, mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn,

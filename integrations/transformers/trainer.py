@@ -27,6 +27,10 @@ The collator still returns GLOBAL batches (``input_ids``, ``labels``, optional
   gradient-accumulation micro-batch, every rank) and the loss is the token mean over them,
   as the Trainer does without SP, with the backward scaled for the ZeRO stage's reduction.
 
+Importing this module (with DeepSpeed installed) keeps DeepSpeed's CPU backend from
+JIT-compiling its C++ shared-memory op when ``TrainingArguments`` starts it
+(:func:`ring_sp.integrations.deepspeed.skip_cpu_inference_comm_build`; nothing on CUDA).
+
 Not supported (each raises when the Trainer is built): evaluation/prediction under SP
 (logits are sharded), ``compute_loss_func``, label smoothing, ``batch_rebalance``
 or ``group_by_length`` sampling, IterableDatasets, accelerate's ``split_batches`` /
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -53,6 +58,10 @@ from .attention import ATTN_IMPLEMENTATION, register, registration, uses_ring_sp
 from .data import shard_batch
 from .loss import causal_lm_loss
 
+if importlib.util.find_spec("deepspeed") is not None:
+    # TrainingArguments(deepspeed=...) starts DeepSpeed's comm in its constructor, before any
+    # other call of ours: on CPU ranks it must already find the C++ op marked unbuildable
+    rsp_ds.skip_cpu_inference_comm_build()
 
 def _ds_config(args: TrainingArguments) -> dict[str, Any] | None:
     """The DeepSpeed config dict the Trainer will use (``args.deepspeed``), or None."""

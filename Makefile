@@ -7,8 +7,9 @@ VENV ?= .venv
 # torch is installed FIRST and alone: any later package that asks for "torch" then finds it
 # and pip fetches no other build (a CPU machine would otherwise download GBs of CUDA wheels).
 TORCH_SPEC ?= torch==2.13.0
-# The framework versions the integrations' tests were verified against (their sdists build
-# against the installed torch, hence --no-build-isolation).
+# The exact framework versions CI installs (reproducible runs; the lowest ends of the ranges
+# users may install, integrations/versions.py and README "Supported versions"). Their sdists
+# build against the installed torch, hence --no-build-isolation.
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 MEGATRON_SPEC ?= megatron-core==0.16.1 einops
 TRANSFORMERS_SPEC ?= transformers==5.18.0 accelerate==1.15.0

@@ -8,7 +8,15 @@ Install torch FIRST (``pip install torch==2.13.0`` on a CPU machine), then this 
 none of the requirements below asks pip for a torch it does not already have.
 """
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# the supported framework ranges: one table (integrations/versions.py) for these extras and
+# for the integrations' runtime checks; read as a file, since nothing is installed yet
+_versions: dict = {}
+exec((Path(__file__).resolve().parent / "integrations" / "versions.py").read_text(encoding="utf-8"), _versions)
+_requirement = _versions["requirement"]
 
 _library = find_packages(include=["ring_sp", "ring_sp.*"])
 _integrations = ["ring_sp.integrations"] + [
@@ -34,10 +42,10 @@ setup(
         # flash-attn needs CUDA to build; it is imported lazily and never required.
         "flash": ["flash-attn>=2.1"],
         # the examples' progress bars use tqdm
-        "deepspeed": ["deepspeed>=0.19.8,<0.20", "tqdm>=4.60"],  # the version whose gradient reduction the tests verify
-        "megatron": ["megatron-core>=0.16,<0.17", "einops", "tqdm>=4.60"],  # 0.16.1 is what the tests verify
-        # the versions whose attention/mask interfaces, kwargs forwarding and Trainer the tests verify
-        "transformers": ["transformers>=5.18.0,<5.19", "accelerate>=1.15.0,<1.16", "tqdm>=4.60"],
+        # the versions whose gradient reduction / attention interfaces / Trainer the tests verify
+        "deepspeed": [_requirement("deepspeed"), "tqdm>=4.60"],
+        "megatron": [_requirement("megatron-core"), "einops", "tqdm>=4.60"],
+        "transformers": [_requirement("transformers"), _requirement("accelerate"), "tqdm>=4.60"],
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "numpy"],
         "bench": ["matplotlib>=3.5"],
     },

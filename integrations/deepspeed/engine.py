@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ring_sp import SequenceParallelAttention, SequenceParallelTopology, init_sequence_parallel
 
 from ring_sp.integrations.transformers.attention import registration, uses_ring_sp  # imports no transformers
+from ring_sp.integrations.versions import require_supported
 
 from .config import SECTION, RingSPConfig
 from .cpu import skip_cpu_inference_comm_build
@@ -61,6 +62,7 @@ def build_topology(config: str | os.PathLike | Mapping[str, Any] | RingSPConfig)
     sp = config if isinstance(config, RingSPConfig) else RingSPConfig.from_ds_config(load_config(config))
     if sp is None or not sp.enabled:
         return None
+    require_supported("deepspeed", "the DeepSpeed config's 'ring_sp' section")
     if not dist.is_initialized():
         _init_distributed()
     sp.check_world_size(dist.get_world_size())
@@ -178,6 +180,7 @@ def initialize(
     if sp is None or model is None:
         return deepspeed.initialize(**passthrough)  # nothing of ours (or DeepSpeed's own error)
 
+    require_supported("deepspeed", "the DeepSpeed config's 'ring_sp' section")  # its mpu/engine hooks
     if mpu is not None:
         raise ValueError(f"mpu= cannot be combined with the {SECTION!r} config section, which supplies the mpu; drop one")
     if mesh_param is not None:

@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention, make_sharded_tensors_for_checkpoint
 
 from ring_sp import SequenceParallelTopology, hybrid_attention
+from ring_sp.integrations.versions import require_supported
 
 from .arguments import megatron_lm_args, ring_sp_config_from_args, sliding_window_from_megatron
 from .config import RingSPConfig, unpacked_layout
@@ -75,6 +76,7 @@ class RingSPCoreAttention(MegatronModule):
         k_channels: Optional[int] = None,
         v_channels: Optional[int] = None,
     ) -> None:
+        require_supported("megatron-core", "ring_sp.integrations.megatron.RingSPCoreAttention")
         super().__init__(config=config)
         # cp_comm_type picks TransformerEngine's CP algorithm; the head sizes MLA passes are
         # read from the tensors.

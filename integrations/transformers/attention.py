@@ -25,6 +25,7 @@ import torch
 
 from ring_sp import SequenceParallelTopology, hybrid_attention
 from ring_sp.layouts import Boundaries, as_boundaries, check_grid_layout
+from ring_sp.integrations.versions import require_supported
 from ring_sp.validation import check_options
 
 from .features import check_mask_call, check_model_config, check_positions, model_name, ring_sp_call_options
@@ -91,8 +92,10 @@ def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", back
     ``topology``'s ``U x R`` grid. ``layout``: how batches are sharded
     (:func:`ring_sp.integrations.transformers.shard_batch` with the same ``layout``; packed
     documents turn ``zigzag`` into ``document_zigzag`` on both sides). ``backend``: the
-    local kernel (``ring_sp.kernels.BACKENDS``). No communication.
+    local kernel (``ring_sp.kernels.BACKENDS``). No communication. Raises when the installed
+    transformers is outside the supported range (``ring_sp.integrations.versions``).
     """
+    require_supported("transformers", "ring_sp.integrations.transformers.register")
     if not isinstance(topology, SequenceParallelTopology):
         raise TypeError(
             f"topology must be a ring_sp.SequenceParallelTopology (ring_sp.init_sequence_parallel or "

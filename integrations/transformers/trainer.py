@@ -53,6 +53,7 @@ from transformers import Trainer, TrainingArguments
 from ring_sp import SequenceParallelTopology, sequence_parallel_loss
 from ring_sp.data import IGNORE_INDEX
 from ring_sp.integrations import deepspeed as rsp_ds
+from ring_sp.integrations.versions import require_supported
 
 from .attention import ATTN_IMPLEMENTATION, register, registration, uses_ring_sp
 from .data import shard_batch
@@ -81,6 +82,7 @@ def prepare_sequence_parallel(args: TrainingArguments) -> SequenceParallelTopolo
     """
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"args must be transformers.TrainingArguments; got {type(args).__name__}")
+    require_supported("accelerate", "ring_sp.integrations.transformers.trainer")
     config = _ds_config(args)
     sp = None if config is None else rsp_ds.RingSPConfig.from_ds_config(config)
     if sp is None:
@@ -181,6 +183,8 @@ class SequenceParallelTrainer(Trainer):
             # accelerate takes every "auto" in the config for a value IT must fill in, and raises
             del section["backend"]  # the default, so the same choice
         self.ring_sp_topology: SequenceParallelTopology | None = None
+        if sp is not None:
+            require_supported("accelerate", "ring_sp.integrations.transformers.trainer")
         if sp is None:
             if uses_ring_sp(self.model):
                 raise ValueError(

@@ -1,0 +1,60 @@
+"""The framework versions each integration supports: one table for setup.py's extras and the runtime checks.
+
+Each range is ``[lowest, below)``: ``lowest`` is the oldest release the integration's tests
+passed on, ``below`` the first release after the newest one they passed on (tested ends in
+README.md, "Supported versions"). The integrations call :func:`require_supported` where
+they first lean on a framework's internals, so a version outside the range raises a clear
+error instead of computing a wrong result. Imports nothing but the standard library
+(setup.py reads this file before anything is installed).
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+
+# distribution name -> (lowest supported, first unsupported)
+SUPPORTED: dict[str, tuple[str, str]] = {
+    "transformers": ("5.18.0", "5.25"),
+    "accelerate": ("1.15.0", "1.16"),
+    "deepspeed": ("0.19.8", "0.20"),
+    "megatron-core": ("0.16.1", "0.17"),
+}
+
+
+def requirement(distribution: str) -> str:
+    """The pip requirement for ``distribution``'s supported range, e.g. ``"transformers>=5.18.0,<5.25"``."""
+    lowest, below = SUPPORTED[distribution]
+    return f"{distribution}>={lowest},<{below}"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string (``"5.25.0.dev0"`` -> ``(5, 25, 0)``), padded to 3 parts."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    if match is None:
+        raise ValueError(f"cannot read the version {version!r}")
+    parts = tuple(int(p) for p in match.group(0).split("."))
+    return parts + (0,) * (3 - len(parts))
+
+
+def installed_version(distribution: str) -> str:
+    """The installed version of ``distribution`` (``importlib.metadata``)."""
+    return metadata.version(distribution)
+
+
+def require_supported(distribution: str, feature: str) -> None:
+    """Raise unless the installed ``distribution`` lies in its supported range.
+
+    ``feature`` names what needs it (for the message), e.g. ``"ring_sp.integrations.transformers.register"``.
+    A pre-release or dev build of ``below`` (``5.25.0.dev0``) counts as ``below``: outside.
+    """
+    version = installed_version(distribution)
+    lowest, below = SUPPORTED[distribution]
+    if not _release(lowest) <= _release(version) < _release(below):
+        raise RuntimeError(
+            f"{feature} supports {requirement(distribution)} (the versions its tests pass on), but "
+            f"{distribution} {version} is installed; install a supported one: pip install '{requirement(distribution)}'"
+        )
+
+
+__all__ = ["SUPPORTED", "installed_version", "require_supported", "requirement"]

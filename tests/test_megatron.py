@@ -579,19 +579,25 @@ def _example(nproc: int, *extra: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines()]  # nothing but JSON on stdout
 
 
-def test_example_trains_and_resumes_at_another_cp_size(tmp_path: Path) -> None:
+@pytest.mark.parametrize("packed", [pytest.param(True, id="packed"), pytest.param(False, id="unpacked", marks=pytest.mark.slow)])
+def test_example_trains_and_resumes_at_another_cp_size(tmp_path: Path, packed: bool) -> None:
     """4 CPU ranks at CP = 4 (U2 x R2) for 6 steps, saving at 3; then 1 rank at CP = 1
-    resumed from step 3 reproduces steps 4-6 (the same samples: DP = 1 in both)."""
+    resumed from step 3 reproduces steps 4-6 (the same samples: DP = 1 in both). Packed
+    (one THD row per micro-batch), steps 4-6 also show CP = 4 equal to CP = 1 on documents
+    (what test_example_trains_on_packed_documents checks from step 1, under -m slow)."""
     ckpt = tmp_path / "ckpt"
-    first = _example(4, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3")
+    layout = ("--pack-documents", "--ring-sp-layout", "document_zigzag") if packed else ()
+    first = _example(4, *layout, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3")
     assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(r["loss"]) for r in first) and first[-1]["loss"] < first[0]["loss"]
-    resumed = _example(1, "--train-iters", "6", "--ring-sp-ulysses-size", "1", "--load", str(ckpt), "--ckpt-step", "3")
+    resumed = _example(1, *layout, "--train-iters", "6", "--ring-sp-ulysses-size", "1", "--load", str(ckpt),
+                       "--ckpt-step", "3")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for a, b in zip(first[3:], resumed):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (first, resumed)
 
 
+@pytest.mark.slow
 def test_example_trains_on_packed_documents() -> None:
     """--pack-documents (one THD row per micro-batch): CP = 4 (U2 x R2) on 4 ranks gives the
     losses of CP = 1 on one rank."""

@@ -22,6 +22,9 @@ def deepspeed_ulysses(group: dist.ProcessGroup, local_attention: nn.Module) -> C
     import deepspeed.comm
     from deepspeed.sequence.layer import DistributedAttention
 
+    from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build
+
+    skip_cpu_inference_comm_build()  # never JIT-compile DeepSpeed's CPU shared-memory op here
     if not deepspeed.comm.is_initialized():  # wraps the torch.distributed world already running
         deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     module = DistributedAttention(local_attention, group, scatter_idx=2, gather_idx=1)

@@ -151,6 +151,16 @@ def _attention_memory(mode: Mode, problem: Problem, world_size: int):
                             dtype=problem.dtype)
 
 
+def model_peak_bytes(mode: Mode, problem: Problem, world_size: int) -> int:
+    """The planner's minimum peak of :func:`~.cases.activation_case`'s plain layer on one rank:
+    kept + working (``ring_sp.planner.attention_memory``), the layer's output, and (ring
+    only: Ulysses frees it before its all-to-alls) the incoming gradient the ring's node holds."""
+    model = _attention_memory(mode, problem, world_size)
+    out = problem.batch * (problem.seq_len // world_size) * problem.heads * problem.head_dim * problem.torch_dtype.itemsize
+    u, _ = mode.grid(world_size)
+    return model.kept + model.working + out + (out if u == 1 else 0)
+
+
 def activations(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record]:
     """Memory one attention layer keeps per rank between forward and backward, and its peak,
     plain and under activation checkpointing, against ``ring_sp.planner.attention_memory``."""
@@ -173,11 +183,8 @@ def activations(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[
                 record["peak_bytes" + suffix] = max(r[kind]["peak_bytes"] for r in per_rank)
             if mode.kind != "deepspeed":
                 model = _attention_memory(mode, problem, p)
-                out = problem.batch * (n // p) * problem.heads * problem.head_dim * problem.torch_dtype.itemsize
-                # the layer's output, and (ring only) the incoming gradient the ring's node holds
-                u, _ = mode.grid(p)
                 record.update(model_kept_bytes=model.kept, model_kept_bytes_checkpointed=model.kept_checkpointed,
-                              model_peak_bytes=model.kept + model.working + out + (out if u == 1 else 0))
+                              model_peak_bytes=model_peak_bytes(mode, problem, p))
             records.append(record)
     return records
 

@@ -29,6 +29,7 @@ from .kernels import AttentionKernel, softmax_stat_dtype
 from .merge import fold_sinks, merge_block_
 from .layouts import Boundaries
 from .schedule import BlockTask, exchange_plan
+from .schedule_cache import ScheduleCache
 
 
 class RingSpec:
@@ -37,24 +38,25 @@ class RingSpec:
 
     def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
                  local_len: int, cu_seqlens: Boundaries | None = None, window: int | None = None,
-                 ulysses_size: int = 1) -> None:
+                 ulysses_size: int = 1, schedules: ScheduleCache | None = None) -> None:
         self.comm = comm
         self.kernel = kernel
         self.scale = scale
         self.world_size = comm.world_size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
-        # The whole schedule, once per call (forward and backward share it): the KV at step
-        # t comes from rank (rank - t) mod R. With documents this is the costly part. Who
+        # The whole schedule (forward and backward share it): the KV at step t comes from rank
+        # (rank - t) mod R. With documents this is the costly part, so it is built once per
+        # distinct key and reused by every layer from ``schedules`` (the group's cache). Who
         # exchanges at step t: this rank receives from r - t iff it computes something, and
         # sends to r + t iff that rank does (with a window; without one, every step).
-        plan = exchange_plan(layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
-                             bool(getattr(kernel, "supports_window", False)), ulysses_size=ulysses_size)
-        self.recv_rows, self.send_rows = plan.recv_rows, plan.send_rows
-        # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
-        self.schedule = tuple(
-            tasks if step == 0 or not tasks else tuple(_kv_shifted(t, -plan.recv_rows[step][0]) for t in tasks)
-            for step, tasks in enumerate(plan.schedule)
-        )
+        native = bool(getattr(kernel, "supports_window", False))
+        key = (layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window, native, ulysses_size)
+
+        def build() -> tuple:
+            return _ring_schedule(layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window, native,
+                                  ulysses_size)
+
+        self.schedule, self.recv_rows, self.send_rows = build() if schedules is None else schedules.get(key, build)
         self.relay_dkv = window is None
         # One rank whose blocks never share a query row: nothing to merge, so no fp32
         # accumulators (the Ulysses-only case; documents give one block per document).
@@ -68,6 +70,20 @@ class RingSpec:
         """Neighbour exchange (the relayed dK/dV accumulator): send -> rank + 1, recv <- rank - 1."""
         assert self.comm is not None  # only called when world_size > 1
         return self.comm.exchange(send, recv, kind)
+
+
+def _ring_schedule(layout: str, causal: bool, rank: int, world_size: int, local_len: int,
+                   cu_seqlens: Boundaries | None, window: int | None, native_window: bool, ulysses_size: int) -> tuple:
+    """(schedule, recv_rows, send_rows) of :class:`RingSpec` (see :func:`ring_sp.schedule.exchange_plan`)."""
+    plan = exchange_plan(layout, causal, rank, world_size, local_len, cu_seqlens, window, native_window,
+                         ulysses_size=ulysses_size)
+    # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
+    schedule = tuple(
+        tasks if step == 0 or not tasks or plan.recv_rows[step][0] == 0
+        else tuple(_kv_shifted(t, -plan.recv_rows[step][0]) for t in tasks)
+        for step, tasks in enumerate(plan.schedule)
+    )
+    return schedule, plan.recv_rows, plan.send_rows
 
 
 def _kv_shifted(task: BlockTask, offset: int) -> BlockTask:

@@ -254,12 +254,42 @@ def activations_table(records: list[Record]) -> list[str]:
          "peak checkpointed MiB"], body)
 
 
+def schedule_table(records: list[Record]) -> list[str]:
+    rows = _select(records, "schedule")
+    if not rows:
+        return []
+    body = [[str(r["world_size"]), str(r["tokens_per_rank"]), str(r["documents"]), str(r["blocks"]),
+             f"{r['build_s'] * 1e3:.1f}", f"{r['fwd_s'] * 1e3:.0f}", f"{r['fwd_bwd_s'] * 1e3:.0f}",
+             f"{r['build_over_fwd']:.2%}", f"{r['build_over_fwd_bwd']:.2%}"] for r in rows]
+    return ["`document_zigzag` on ring rank 0: one schedule build (done once per distinct `cu_seqlens`, "
+            "then reused by every layer and the backward) against one layer's attention (exchanges replaced "
+            "by local copies: a lower bound of the layer, so the ratio is an upper bound); medians.", ""] + _table(
+        ["P", "tokens/rank", "documents", "blocks", "build ms", "layer fwd ms", "layer fwd+bwd ms",
+         "build / fwd", "build / fwd+bwd"], body)
+
+
+def ulysses_table(records: list[Record]) -> list[str]:
+    rows = _select(records, "ulysses")
+    if not rows:
+        return []
+    body = [[f"{r['heads']}/{r['kv_heads']}", str(r["seq_len"]), str(r["rounds"]),
+             f"{r['ours_over_deepspeed_fwd']:.3f}", f"{r['ours_over_deepspeed_fwd_bwd']:.3f}",
+             f"{min(r['ours_over_deepspeed_fwd_bwd_rounds']):.3f}-{max(r['ours_over_deepspeed_fwd_bwd_rounds']):.3f}",
+             f"{r['ours_fwd_bwd_s'] * 1e3:.0f} / {r['deepspeed_fwd_bwd_s'] * 1e3:.0f}"] for r in rows]
+    return ["Ulysses / DeepSpeed `DistributedAttention` on 2 ranks (same kernel), time ratio (< 1: ours "
+            "faster): per round the ratio of medians, the two alternating call by call; median over rounds.",
+            ""] + _table(["q/kv heads", "N", "rounds", "fwd", "fwd+bwd", "fwd+bwd range", "fwd+bwd ms ours / DS"],
+                         body)
+
+
 def markdown(records: list[Record], header: list[str]) -> str:
     lines = header + [""]
     for title, section in (("Speed", timing_tables), ("Work balance, bytes and memory", profile_table),
                            ("Memory per rank", memory_tables), ("Activation memory per layer", activations_table),
                            ("Overlap with a slow link", overlap_table),
-                           ("Fewer heads than ranks", heads_table)):
+                           ("Fewer heads than ranks", heads_table),
+                           ("Packed schedule build cost", schedule_table),
+                           ("Ulysses against DeepSpeed, head shapes", ulysses_table)):
         body = section(records)
         if body:
             lines += [f"### {title}", ""] + body + [""]

@@ -37,9 +37,14 @@ class Config:
     repeats: int
     problem: Problem  # heads, head_dim, dtype, ...; seq_len is set per run
     backend: str = "auto"
+    schedule_tokens_per_rank: int = 8192  # packed schedule build cost, at P = 8
+    schedule_documents: int = 1000
+    ulysses_seq_lens: tuple[int, ...] = (4096, 8192)  # Ulysses vs DeepSpeed head-shape sweep, 2 ranks
+    ulysses_rounds: int = 5
 
 
-QUICK = Config(4, (256, 512), 512, (256, 512, 1024), (1, 2, 4), 1024, 1024, (1.0,), 1, 3, Problem(0))
+QUICK = Config(4, (256, 512), 512, (256, 512, 1024), (1, 2, 4), 1024, 1024, (1.0,), 1, 3, Problem(0),
+               schedule_tokens_per_rank=1024, schedule_documents=125, ulysses_seq_lens=(256,), ulysses_rounds=2)
 FULL = Config(4, (1024, 2048, 4096, 8192), 4096, (2048, 4096, 8192, 16384), (1, 2, 4, 8), 8192, 8192,
               (0.5, 1.0, 2.0), 1, 9, Problem(0))
 
@@ -151,6 +156,16 @@ def _attention_memory(mode: Mode, problem: Problem, world_size: int):
                             dtype=problem.dtype)
 
 
+def model_peak_bytes(mode: Mode, problem: Problem, world_size: int) -> int:
+    """The planner's minimum peak of :func:`~.cases.activation_case`'s plain layer on one rank:
+    kept + working (``ring_sp.planner.attention_memory``), the layer's output, and (ring
+    only: Ulysses frees it before its all-to-alls) the incoming gradient the ring's node holds."""
+    model = _attention_memory(mode, problem, world_size)
+    out = problem.batch * (problem.seq_len // world_size) * problem.heads * problem.head_dim * problem.torch_dtype.itemsize
+    u, _ = mode.grid(world_size)
+    return model.kept + model.working + out + (out if u == 1 else 0)
+
+
 def activations(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record]:
     """Memory one attention layer keeps per rank between forward and backward, and its peak,
     plain and under activation checkpointing, against ``ring_sp.planner.attention_memory``."""
@@ -173,11 +188,8 @@ def activations(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[
                 record["peak_bytes" + suffix] = max(r[kind]["peak_bytes"] for r in per_rank)
             if mode.kind != "deepspeed":
                 model = _attention_memory(mode, problem, p)
-                out = problem.batch * (n // p) * problem.heads * problem.head_dim * problem.torch_dtype.itemsize
-                # the layer's output, and (ring only) the incoming gradient the ring's node holds
-                u, _ = mode.grid(p)
                 record.update(model_kept_bytes=model.kept, model_kept_bytes_checkpointed=model.kept_checkpointed,
-                              model_peak_bytes=model.kept + model.working + out + (out if u == 1 else 0))
+                              model_peak_bytes=model_peak_bytes(mode, problem, p))
             records.append(record)
     return records
 
@@ -240,7 +252,58 @@ def heads(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record
     return records
 
 
+def schedule(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record]:
+    """The packed schedule's one build per distinct ``cu_seqlens`` against one layer's
+    attention on ring rank 0 of P = 8 (:mod:`.schedule_cost`; one process, the leader)."""
+    from .schedule_cost import measure
+
+    if not run.is_leader:
+        return []
+    log(f"schedule: build cost at P=8, {cfg.schedule_tokens_per_rank} tokens per rank, "
+        f"{cfg.schedule_documents} documents")
+    result = measure(8, cfg.schedule_tokens_per_rank, cfg.schedule_documents, cfg.problem.heads,
+                     cfg.problem.kv_heads, cfg.problem.head_dim, cfg.repeats, cfg.problem.dtype)
+    return [{"section": "schedule", **result}]
+
+
+ULYSSES_HEADS = ((8, 8), (8, 4), (32, 8))  # (q heads, kv heads): MHA and GQA
+
+
+def ulysses(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record]:
+    """Our Ulysses against DeepSpeed's DistributedAttention on 2 ranks for MHA and GQA head
+    shapes: ``ulysses_rounds`` rounds of ``repeats`` calls, the two modes alternating call by
+    call; per round the ratio of medians (ours / DeepSpeed), then the median over rounds."""
+    modes = [Mode("Ulysses", "ulysses", "contiguous"), DEEPSPEED]
+    records = []
+    for heads, kv_heads in ULYSSES_HEADS:
+        for n in cfg.ulysses_seq_lens:
+            problem = replace(cfg.problem, seq_len=n, heads=heads, kv_heads=kv_heads)
+            log(f"ulysses: {heads}/{kv_heads} heads, N={n}, {cfg.ulysses_rounds} rounds on 2 ranks")
+            ratios: dict[str, list[float]] = {"fwd": [], "fwd_bwd": []}
+            medians: dict[str, list[float]] = {f"{m.name} {k}": [] for m in modes for k in ratios}
+            for _ in range(cfg.ulysses_rounds):
+                results = run.run(timing_case, 2, problem, modes, cfg.warmup, cfg.repeats, cfg.backend)
+                if any("error" in results[0][m.name] for m in modes):
+                    break
+                for kind in ratios:
+                    ours, theirs = (step_time([r[m.name][kind] for r in results]) for m in modes)
+                    ratios[kind].append(ours / theirs)
+                    medians[f"{modes[0].name} {kind}"].append(ours)
+                    medians[f"{modes[1].name} {kind}"].append(theirs)
+            if not ratios["fwd"]:
+                continue
+            records.append({
+                "section": "ulysses", "heads": heads, "kv_heads": kv_heads, "seq_len": n, "world_size": 2,
+                "rounds": len(ratios["fwd"]),
+                **{f"ours_over_deepspeed_{k}": statistics.median(v) for k, v in ratios.items()},
+                **{f"ours_over_deepspeed_{k}_rounds": v for k, v in ratios.items()},
+                "ours_fwd_bwd_s": statistics.median(medians["Ulysses fwd_bwd"]),
+                "deepspeed_fwd_bwd_s": statistics.median(medians[f"{DEEPSPEED.name} fwd_bwd"]),
+            })
+    return records
+
+
 SECTIONS: dict[str, Callable[[Launcher, Config, Callable[[str], None]], list[Record]]] = {
     "timing": timing, "profile": profile, "memory": memory, "activations": activations, "overlap": overlap,
-    "heads": heads,
+    "heads": heads, "schedule": schedule, "ulysses": ulysses,
 }

@@ -29,6 +29,7 @@ from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_re
 from .recompute import plan as recompute_plan
 from .recompute import reuse_requested
 from .ring import RingSpec, ring_comm_for
+from .schedule_cache import schedule_cache
 from .topology import SequenceParallelTopology
 from .validation import (check_cu_seqlens, check_group, check_local_length, check_options, check_qkv, check_sinks,
                          check_sliding_window, resolve_scale)
@@ -88,9 +89,11 @@ def _prepare(
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3], v.shape[3])
     # A window covering the whole sequence is plain causal attention: the same schedule, bit for bit.
     window = sliding_window if sliding_window is not None and sliding_window < global_len else None
+    owner = ring_group if ring_group is not None else ulysses_group
+    assert owner is not None  # every entry point passes one group at least
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
                     resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens, window=window,
-                    ulysses_size=u)
+                    ulysses_size=u, schedules=schedule_cache(owner))
     return ring, (UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None)
 
 

@@ -222,10 +222,11 @@ class AttentionMemory:
     with Ulysses the head-sharded q, packed k/v, out and lse). ``kept_checkpointed``: the
     same under activation checkpointing, where ring_sp keeps only out + lse for the re-run
     (``reuse_on_recompute``; nothing with it off). ``working``: what the backward holds on
-    top: the fp32 dq accumulator, the ring's double-buffered KV and fp32 [dK; dV] messages,
-    the kernel's block gradients before they are added (zigzag's first step: two half
-    blocks = one q shard + one KV shard in fp32), and with Ulysses the head-sharded dout
-    and the dk/dv of the all-to-all.
+    top (its minimum: the benchmark measures at most 1.05x it): the fp32 dq accumulator,
+    the ring's own packed KV shard and its inbox (one slot at ``R = 2``, else two), the fp32
+    [dK; dV] double buffer, ONE block's gradients (each block's are added before the next
+    block runs; the largest, zigzag's first step, is one q shard + one KV shard in fp32),
+    and with Ulysses the head-sharded dout and the dk/dv of the all-to-all.
     """
 
     kept: int
@@ -245,8 +246,10 @@ def attention_memory(*, ulysses: int, ring: int, batch: int, local_len: int, hea
     kept = out_and_lse + ((q_elems + kv_shard) * elem if ulysses > 1 else 0)
     working = q_elems * acc  # dq accumulator
     if ring > 1:
-        working += 2 * kv_shard * elem + 2 * kv_shard * acc  # KV and [dK; dV] double buffers
-        working += q_elems * acc + kv_shard * acc  # block gradients not yet added
+        # this rank's own packed [k; v] (sent to r + t at every step) and the inbox: one slot
+        # at R = 2, else two (the next step's KV arrives while this step's is computed with)
+        working += (1 + min(2, ring - 1)) * kv_shard * elem + 2 * kv_shard * acc  # + [dK; dV] double buffer
+        working += q_elems * acc + kv_shard * acc  # one block's gradients (each is added before the next runs)
     else:
         working += kv_shard * acc  # dk, dv
     if ulysses > 1:

@@ -29,6 +29,7 @@ from .kernels import AttentionKernel, softmax_stat_dtype
 from .merge import fold_sinks, merge_block_
 from .layouts import Boundaries
 from .schedule import BlockTask, exchange_plan
+from .schedule_cache import ScheduleCache
 
 
 class RingSpec:
@@ -37,24 +38,25 @@ class RingSpec:
 
     def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
                  local_len: int, cu_seqlens: Boundaries | None = None, window: int | None = None,
-                 ulysses_size: int = 1) -> None:
+                 ulysses_size: int = 1, schedules: ScheduleCache | None = None) -> None:
         self.comm = comm
         self.kernel = kernel
         self.scale = scale
         self.world_size = comm.world_size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
-        # The whole schedule, once per call (forward and backward share it): the KV at step
-        # t comes from rank (rank - t) mod R. With documents this is the costly part. Who
+        # The whole schedule (forward and backward share it): the KV at step t comes from rank
+        # (rank - t) mod R. With documents this is the costly part, so it is built once per
+        # distinct key and reused by every layer from ``schedules`` (the group's cache). Who
         # exchanges at step t: this rank receives from r - t iff it computes something, and
         # sends to r + t iff that rank does (with a window; without one, every step).
-        plan = exchange_plan(layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
-                             bool(getattr(kernel, "supports_window", False)), ulysses_size=ulysses_size)
-        self.recv_rows, self.send_rows = plan.recv_rows, plan.send_rows
-        # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
-        self.schedule = tuple(
-            tasks if step == 0 or not tasks else tuple(_kv_shifted(t, -plan.recv_rows[step][0]) for t in tasks)
-            for step, tasks in enumerate(plan.schedule)
-        )
+        native = bool(getattr(kernel, "supports_window", False))
+        key = (layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window, native, ulysses_size)
+
+        def build() -> tuple:
+            return _ring_schedule(layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window, native,
+                                  ulysses_size)
+
+        self.schedule, self.recv_rows, self.send_rows = build() if schedules is None else schedules.get(key, build)
         self.relay_dkv = window is None
         # One rank whose blocks never share a query row: nothing to merge, so no fp32
         # accumulators (the Ulysses-only case; documents give one block per document).
@@ -68,6 +70,20 @@ class RingSpec:
         """Neighbour exchange (the relayed dK/dV accumulator): send -> rank + 1, recv <- rank - 1."""
         assert self.comm is not None  # only called when world_size > 1
         return self.comm.exchange(send, recv, kind)
+
+
+def _ring_schedule(layout: str, causal: bool, rank: int, world_size: int, local_len: int,
+                   cu_seqlens: Boundaries | None, window: int | None, native_window: bool, ulysses_size: int) -> tuple:
+    """(schedule, recv_rows, send_rows) of :class:`RingSpec` (see :func:`ring_sp.schedule.exchange_plan`)."""
+    plan = exchange_plan(layout, causal, rank, world_size, local_len, cu_seqlens, window, native_window,
+                         ulysses_size=ulysses_size)
+    # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
+    schedule = tuple(
+        tasks if step == 0 or not tasks or plan.recv_rows[step][0] == 0
+        else tuple(_kv_shifted(t, -plan.recv_rows[step][0]) for t in tasks)
+        for step, tasks in enumerate(plan.schedule)
+    )
+    return schedule, plan.recv_rows, plan.send_rows
 
 
 def _kv_shifted(task: BlockTask, offset: int) -> BlockTask:
@@ -298,18 +314,32 @@ def ring_backward(
     for step, tasks in spec.steps():
         kv = own if step == 0 else mail.received(step)
         kv_pending = mail.post(step + 1)
-        grads = [(task, _block_backward(spec, task, dout, q, kv.k, kv.v, out, lse)) for task in tasks]
-        for task, (dq_b, _, _) in grads:
-            dq[:, task.q] += dq_b
-        route.add(step, grads)
+        route.begin(step)
+        for task in tasks:
+            _add_block_grads(spec, task, dq, route, dout, q, kv, out, lse)
+        route.end(step)
         if kv_pending is not None:
             kv_pending.wait()
     return (dq, *route.finish(deliver_dtype))
 
 
+def _add_block_grads(spec: RingSpec, task: BlockTask, dq: torch.Tensor, route: _RelayedGrads | _DirectGrads,
+                     dout: torch.Tensor, q: torch.Tensor, kv: _PackedKV, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """One block's gradients, added as soon as the kernel returns them: its dq into ``dq``,
+    its dk/dv (``h_kv`` wide) into the route's accumulator. Their only references are this
+    call's locals, so at most one block's gradients are alive at a time (the planner's minimum)."""
+    dq_b, dk_b, dv_b = _block_backward(spec, task, dout, q, kv.k, kv.v, out, lse)
+    dq[:, task.q] += dq_b
+    route.add(task, dk_b, dv_b)
+
+
 class _RelayedGrads:
     """The full ring's dK/dV route: an fp32 accumulator travels with its KV shard (relayed
-    neighbour to neighbour) and goes home after ``R`` sends, the last in ``deliver_dtype``."""
+    neighbour to neighbour) and goes home after ``R`` sends, the last in ``deliver_dtype``.
+
+    Per step: :meth:`begin`, :meth:`add` for each block as the kernel returns it, :meth:`end`.
+    The accumulator of the KV now held (sent by ``r - 1`` at the end of its previous step)
+    is awaited at the step's first :meth:`add`, so its transfer overlaps that block's compute."""
 
     def __init__(self, spec: RingSpec, shape: _KVShape, rows: int, acc_dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -318,13 +348,22 @@ class _RelayedGrads:
         self.dkv_next = shape.allocate(rows, acc_dtype, device)
         self.pending: PendingExchange | None = None
 
-    def add(self, step: int, grads: list) -> None:
+    def begin(self, step: int) -> None:
+        pass  # the accumulator is awaited lazily, at the first block's gradients
+
+    def _arrived(self) -> None:
         if self.pending is not None:  # the accumulator of the KV we now hold arrives
             self.pending.wait()
+            self.pending = None
             self.dkv, self.dkv_next = self.dkv_next, self.dkv
-        for task, (_, dk_b, dv_b) in grads:
-            self.dkv.k[:, task.kv] += dk_b
-            self.dkv.v[:, task.kv] += dv_b
+
+    def add(self, task: BlockTask, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+        self._arrived()
+        self.dkv.k[:, task.kv] += dk_b
+        self.dkv.v[:, task.kv] += dv_b
+
+    def end(self, step: int) -> None:
+        self._arrived()  # a step without blocks still relays the accumulator it received
         if step < self.spec.world_size - 1:  # pass the accumulator on with its KV
             self.pending = self.spec.rotate(self.dkv.buf, self.dkv_next.buf, "ring_dkv")
 
@@ -339,7 +378,8 @@ class _RelayedGrads:
 class _DirectGrads:
     """The sliding window's dK/dV route: the fp32 partial for the rows of rank ``r - t``'s
     KV used at step ``t`` goes straight home (one message per halo partner), and this rank
-    adds the partials for its own rows as they arrive from ``r + t``; rounded once, by the owner."""
+    adds the partials for its own rows as they arrive from ``r + t``; rounded once, by the owner.
+    The previous step's exchange is awaited at the step's first block (or its end), after compute."""
 
     def __init__(self, spec: RingSpec, shape: _KVShape, rows: int, acc_dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -347,6 +387,7 @@ class _DirectGrads:
         self.home = shape.allocate(rows, acc_dtype, device, zero=True)
         self.mail = _Mail(spec, None, "ring_dkv", shape, acc_dtype, device, reverse=True)
         self.pending: tuple[int, PendingExchange] | None = None
+        self.target: _PackedKV | None = None
 
     def _collect(self) -> None:
         if self.pending is not None:
@@ -360,19 +401,24 @@ class _DirectGrads:
                 self.home.v[:, rows[0]:rows[1]] += partial.v
             self.pending = None
 
-    def add(self, step: int, grads: list) -> None:
-        target: _PackedKV | None = self.home
+    def begin(self, step: int) -> None:
+        self.target = self.home
         if step:
-            self._collect()  # frees this step's buffers (their step - 2 exchange was waited on)
-            target = None
+            # this step's stage slot is free: its step - 2 exchange was awaited during step - 1
+            self.target = None
             if self.spec.recv_rows[step] is not None:  # we hold rows of rank - step's KV: a partial goes home
-                target = self.mail.outgoing(step)
-                target.buf.zero_()
-        for task, (_, dk_b, dv_b) in grads:
-            target.k[:, task.kv] += dk_b  # type: ignore[union-attr]  # (blocks only where rows arrived)
-            target.v[:, task.kv] += dv_b  # type: ignore[union-attr]
+                self.target = self.mail.outgoing(step)
+                self.target.buf.zero_()
+
+    def add(self, task: BlockTask, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+        self._collect()
+        self.target.k[:, task.kv] += dk_b  # type: ignore[union-attr]  # (blocks only where rows arrived)
+        self.target.v[:, task.kv] += dv_b  # type: ignore[union-attr]
+
+    def end(self, step: int) -> None:
         if step:
-            work = self.mail.post(step, target)
+            self._collect()
+            work = self.mail.post(step, self.target)
             self.pending = None if work is None else (step, work)
 
     def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .layouts import LAYOUTS, Boundaries, layout_positions, ring_positions
 
 
-@dataclass(frozen=True)
-class BlockTask:
+class BlockTask(NamedTuple):
     """Attend queries ``q`` (a slice of the local shard) to keys ``kv`` (a slice of the
     visiting KV shard), with a square causal mask when ``causal``.
 
@@ -44,6 +44,8 @@ class BlockTask:
     sees key ``c`` only if ``c > a - window``. With ``causal`` that is the band
     ``a - window < c <= a`` (issued only to kernels with a native window); without it,
     ``window=1`` is the edge square ``c >= a`` where a window's start crosses the block.
+    (A named tuple: a packed schedule has thousands, built once per packing, and a tuple is
+    the cheapest immutable object to make.)
     """
 
     q: slice
@@ -123,7 +125,17 @@ def _document_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> dict[int,
     return {int(d): (int(stop - n), int(stop)) for d, n, stop in zip(ids, counts, stops)}
 
 
-Runs = dict[int, list[tuple[int, int, int]]]  # document -> [(global start, global stop, local start)]
+def _position_run_tensors(positions: torch.Tensor, cu_seqlens: Boundaries | None, *,
+                          consecutive: bool = True) -> tuple[torch.Tensor, ...]:
+    """:func:`_position_runs` as LongTensors ``(local start, local stop, global start, document)``."""
+    docs = (torch.searchsorted(torch.tensor(cu_seqlens), positions, right=True) - 1 if cu_seqlens is not None
+            else torch.zeros_like(positions))
+    breaks = docs.diff() != 0
+    if consecutive:
+        breaks |= positions.diff() != 1
+    starts = torch.cat((torch.zeros(1, dtype=torch.long), breaks.nonzero().flatten() + 1))
+    stops = torch.cat((starts[1:], torch.tensor([positions.numel()])))
+    return starts, stops, positions[starts], docs[starts]
 
 
 def _position_runs(positions: torch.Tensor, cu_seqlens: Boundaries | None, *,
@@ -133,68 +145,151 @@ def _position_runs(positions: torch.Tensor, cu_seqlens: Boundaries | None, *,
     ``consecutive``, where the global position is not its predecessor's + 1. Vectorised."""
     if positions.numel() == 0:
         return []
-    docs = (torch.searchsorted(torch.tensor(cu_seqlens), positions, right=True) - 1 if cu_seqlens is not None
-            else torch.zeros_like(positions))
-    breaks = docs.diff() != 0
-    if consecutive:
-        breaks |= positions.diff() != 1
-    starts = torch.cat((torch.zeros(1, dtype=torch.long), breaks.nonzero().flatten() + 1))
-    stops = torch.cat((starts[1:], torch.tensor([positions.numel()])))
-    return list(zip(starts.tolist(), stops.tolist(), positions[starts].tolist(), docs[starts].tolist()))
+    return list(zip(*(t.tolist() for t in _position_run_tensors(positions, cu_seqlens, consecutive=consecutive))))
 
 
-def _global_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> Runs:
-    """Document id -> its runs of consecutive global positions in the (increasing) shard:
-    ``(global start, global stop, local start)`` each."""
-    runs: Runs = {}
-    for a, b, first, doc in _position_runs(positions, cu_seqlens):
-        runs.setdefault(doc, []).append((first, first + b - a, a))
-    return runs
+@dataclass(frozen=True)
+class _ShardRuns:
+    """A ring shard's runs of consecutive global positions inside one document, in local
+    order (so documents never decrease): LongTensors ``[runs]`` of the global ``start`` and
+    ``stop``, the ``local`` index of the start and the ``doc`` id."""
+
+    start: torch.Tensor
+    stop: torch.Tensor
+    local: torch.Tensor
+    doc: torch.Tensor
+
+    @staticmethod
+    def of(positions: torch.Tensor, cu_seqlens: Boundaries) -> _ShardRuns:
+        local, local_stop, start, doc = _position_run_tensors(positions, cu_seqlens)
+        return _ShardRuns(start, start + (local_stop - local), local, doc)
+
+    def doc_spans(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(document, local start, local stop) of each document: its runs are stored one after the other."""
+        docs, counts = torch.unique_consecutive(self.doc, return_counts=True)
+        last = counts.cumsum(0) - 1
+        first = last - counts + 1
+        return docs, self.local[first], self.local[last] + self.stop[last] - self.start[last]
 
 
 @functools.lru_cache(maxsize=8)  # keyed by the documents: a new packing can come every step
-def _ring_runs(ulysses_size: int, ring_size: int, seq_len: int, cu_seqlens: Boundaries) -> tuple[Runs, ...]:
-    """:func:`_global_runs` of every ring shard of ``document_zigzag``, once per packing."""
+def _ring_runs(ulysses_size: int, ring_size: int, seq_len: int, cu_seqlens: Boundaries) -> tuple[_ShardRuns, ...]:
+    """:class:`_ShardRuns` of every ring shard of ``document_zigzag``, once per packing."""
     positions = ring_positions("document_zigzag", ulysses_size, ring_size, seq_len, cu_seqlens)
-    return tuple(_global_runs(row, cu_seqlens) for row in positions)
+    return tuple(_ShardRuns.of(row, cu_seqlens) for row in positions)
 
 
-def _local_span(runs: list[tuple[int, int, int]]) -> slice:
-    """A document's local indices in a shard: its runs are stored one after the other."""
-    first, last = runs[0], runs[-1]
-    return slice(first[2], last[2] + last[1] - last[0])
+# Blocks as parallel LongTensors (q start, q stop, kv start, kv stop, causal as 0/1): the
+# document schedule has a block or more per document and step, so it is cut and merged
+# vectorised and turned into BlockTasks once, at the end.
+_Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _merged(blocks: list[BlockTask]) -> list[BlockTask]:
-    """Full blocks that touch along one side become one (fewer kernel calls): the same
-    keys for adjacent query rows, then the same queries for adjacent keys."""
-    for same, along in (("kv", "q"), ("q", "kv")):
-        blocks = sorted(blocks, key=lambda t: (getattr(t, same).start, getattr(t, along).start))
-        out: list[BlockTask] = []
-        for t in blocks:
-            last = out[-1] if out else None
-            if (last is not None and not last.causal and not t.causal and getattr(last, same) == getattr(t, same)
-                    and getattr(last, along).stop == getattr(t, along).start):
-                grown = slice(getattr(last, along).start, getattr(t, along).stop)
-                out[-1] = BlockTask(grown, t.kv, False) if along == "q" else BlockTask(t.q, grown, False)
-            else:
-                out.append(t)
-        blocks = out
-    return sorted(blocks, key=lambda t: (t.q.start, t.kv.start))
+def _tasks_of(blocks: _Blocks, group: torch.Tensor | None = None) -> list[tuple[BlockTask, ...]]:
+    """The blocks as BlockTasks, one tuple per distinct ``group`` value in increasing order
+    (blocks sorted by group; None: one group)."""
+    tasks = [BlockTask(slice(qa, qb), slice(ka, kb), c == 1) for qa, qb, ka, kb, c in zip(*(t.tolist() for t in blocks))]
+    if group is None:
+        return [tuple(tasks)]
+    ends = torch.unique_consecutive(group, return_counts=True)[1].cumsum(0).tolist()
+    return [tuple(tasks[a:b]) for a, b in zip([0] + ends, ends)]
 
 
-def _document_zigzag_tasks(causal: bool, q_runs: Runs, kv_runs: Runs, diagonal: bool) -> tuple[BlockTask, ...]:
-    """The blocks of one step between two ring shards given by their runs."""
-    if diagonal or not causal:  # per document, all of its queries against all of its keys
-        # on the diagonal the local order is the global order: one square causal block per document
-        return tuple(BlockTask(_local_span(q), _local_span(kv_runs[doc]), causal)
-                     for doc, q in q_runs.items() if doc in kv_runs)
-    blocks: list[BlockTask] = []
-    for doc, queries in q_runs.items():
-        for qa, qb, q_local in queries:
-            for ka, kb, kv_local in kv_runs.get(doc, ()):
-                blocks.extend(_shifted(t, q_local - qa, kv_local - ka) for t in _interval_blocks((qa, qb), (ka, kb), True))
-    return tuple(_merged(blocks))
+def _sorted_by(blocks: _Blocks, group: torch.Tensor, first: torch.Tensor,
+               second: torch.Tensor) -> tuple[_Blocks, torch.Tensor]:
+    """Blocks (and their ``group``) sorted by (group, first, second) (unique: blocks of a group do not overlap)."""
+    if first.numel() == 0:
+        return blocks, group
+    scale = int(max(first.max(), second.max())) + 1
+    order = torch.argsort((group * scale + first) * scale + second)
+    return tuple(t[order] for t in blocks), group[order]  # type: ignore[return-value]
+
+
+def _merged_along(blocks: _Blocks, group: torch.Tensor, along: int) -> tuple[_Blocks, torch.Tensor]:
+    """One pass of :func:`_merged`: full blocks of one group with the same other side (``along``
+    0: the same keys, adjacent query rows; 1: the same queries, adjacent keys) become one."""
+    if blocks[0].numel() == 0:
+        return blocks, group
+    same = 2 - 2 * along  # index of the other side's start
+    blocks, group = _sorted_by(blocks, group, blocks[same], blocks[2 * along])
+    a0, a1, s0, s1, causal = blocks[2 * along], blocks[2 * along + 1], blocks[same], blocks[same + 1], blocks[4]
+    # block i extends block i - 1: as the greedy merge, whose grown block ends where block i - 1 ends
+    joins = ((causal[1:] == 0) & (causal[:-1] == 0) & (group[1:] == group[:-1]) & (s0[1:] == s0[:-1])
+             & (s1[1:] == s1[:-1]) & (a1[:-1] == a0[1:]))
+    starts = torch.cat((torch.ones(1, dtype=torch.bool), ~joins)).nonzero().flatten()
+    lasts = torch.cat((starts[1:], torch.tensor([a0.numel()]))) - 1  # the last block of each chain
+    grown = [t[starts] for t in blocks]
+    grown[2 * along + 1] = a1[lasts]
+    return tuple(grown), group[starts]  # type: ignore[return-value]
+
+
+def _merged(blocks: _Blocks, group: torch.Tensor) -> tuple[_Blocks, torch.Tensor]:
+    """Per ``group``: full blocks that touch along one side become one (fewer kernel calls):
+    the same keys for adjacent query rows, then the same queries for adjacent keys; sorted
+    by (group, q start, kv start)."""
+    blocks, group = _merged_along(*_merged_along(blocks, group, 0), 1)
+    return _sorted_by(blocks, group, blocks[0], blocks[2])
+
+
+def _interval_pieces(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor,
+                     kb: torch.Tensor) -> tuple[_Blocks, torch.Tensor]:
+    """:func:`_interval_blocks` (causal) of many interval pairs at once, in their frame, and
+    the pair each block comes from."""
+    start, edge = torch.maximum(ka, qa), torch.minimum(kb, qb)
+    pieces = [  # (q start, q stop, kv start, kv stop, causal, which pairs have it)
+        (qa, qb, ka, torch.minimum(kb, qa), 0, ka < torch.minimum(kb, qa)),  # keys before every query: all visible
+        (start, edge, start, edge, 1, start < edge),  # the shared stretch: a square causal block
+        (kb, qb, start, kb, 0, (start < kb) & (kb < qb)),  # queries after every key of the stretch
+    ]
+    blocks = tuple(torch.cat([(p[i] if i < 4 else torch.full_like(qa, p[4]))[p[5]] for p in pieces]) for i in range(5))
+    return blocks, torch.cat([p[5].nonzero().flatten() for p in pieces])  # type: ignore[return-value]
+
+
+def _document_zigzag_steps(causal: bool, runs: tuple[_ShardRuns, ...], rank: int,
+                           sources: list[int]) -> list[tuple[BlockTask, ...]]:
+    """The blocks of ring rank ``rank`` against the KV shard of each of ``sources``, from the
+    ring shards' runs; vectorised over the runs of every source at once (a step's blocks
+    are a few per document, and a Python loop over them would cost more than the layer)."""
+    steps: dict[int, tuple[BlockTask, ...]] = {}
+    q = runs[rank]
+    for source in sources:
+        if source == rank or not causal:  # per document, all of its queries against all of its keys
+            # on the diagonal the local order is the global order: one square causal block per document
+            q_docs, q_start, q_stop = q.doc_spans()
+            kv_docs, kv_start, kv_stop = runs[source].doc_spans()
+            shared = torch.isin(q_docs, kv_docs)
+            at = torch.searchsorted(kv_docs, q_docs[shared])
+            steps[source] = _tasks_of((q_start[shared], q_stop[shared], kv_start[at], kv_stop[at],
+                                       torch.full_like(at, int(causal))))[0]
+    others = [s for s in sources if s not in steps]
+    if others:
+        # every (query run, key run) pair of one document, cut in global coordinates, then made local
+        kv = [runs[s] for s in others]
+        kv_doc = torch.cat([r.doc for r in kv])
+        by_doc = torch.argsort(kv_doc, stable=True)
+        kv_doc = kv_doc[by_doc]
+        kv_start, kv_stop, kv_local = (torch.cat([getattr(r, f) for r in kv])[by_doc] for f in ("start", "stop", "local"))
+        kv_source = torch.tensor(others).repeat_interleave(torch.tensor([r.doc.numel() for r in kv]))[by_doc]
+        lo, hi = torch.searchsorted(kv_doc, q.doc), torch.searchsorted(kv_doc, q.doc, right=True)
+        counts = hi - lo
+        qi = torch.arange(q.doc.numel()).repeat_interleave(counts)
+        ki = lo[qi] + torch.arange(qi.numel()) - (counts.cumsum(0) - counts)[qi]
+        (qa, qb, ka, kb, flag), pair = _interval_pieces(q.start[qi], q.stop[qi], kv_start[ki], kv_stop[ki])
+        q_shift, kv_shift = (q.local - q.start)[qi[pair]], (kv_local - kv_start)[ki[pair]]
+        merged, source = _merged((qa + q_shift, qb + q_shift, ka + kv_shift, kb + kv_shift, flag), kv_source[ki[pair]])
+        found = torch.unique_consecutive(source).tolist()  # sources sharing no document get no block
+        steps.update(dict.fromkeys(others, ()))
+        steps.update(zip(found, _tasks_of(merged, source)))
+    return [steps[s] for s in sources]
+
+
+def document_zigzag_steps(causal: bool, rank: int, sources: list[int], world_size: int, local_len: int,
+                          cu_seqlens: Boundaries, ulysses_size: int = 1) -> list[tuple[BlockTask, ...]]:
+    """:func:`packed_step_tasks` of ``document_zigzag`` against each of ``sources`` (all
+    steps of a ring pass in one vectorised build)."""
+    seq_len = local_len * world_size
+    ring_positions("document_zigzag", ulysses_size, world_size, seq_len, cu_seqlens)  # validates (cached)
+    return _document_zigzag_steps(causal, _ring_runs(ulysses_size, world_size, seq_len, cu_seqlens), rank, sources)
 
 
 def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_size: int, local_len: int,
@@ -209,9 +304,7 @@ def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_s
     """
     seq_len = local_len * world_size
     if layout == "document_zigzag":
-        ring_positions(layout, ulysses_size, world_size, seq_len, cu_seqlens)  # validates (cached)
-        runs = _ring_runs(ulysses_size, world_size, seq_len, cu_seqlens)
-        return _document_zigzag_tasks(causal, runs[rank], runs[source], source == rank)
+        return document_zigzag_steps(causal, rank, [source], world_size, local_len, cu_seqlens, ulysses_size)[0]
     positions = layout_positions(layout, world_size, seq_len, cu_seqlens)
     q_runs, kv_runs = _document_runs(positions[rank], cu_seqlens), _document_runs(positions[source], cu_seqlens)
     tasks: list[BlockTask] = []
@@ -390,7 +483,11 @@ def exchange_plan(layout: str, causal: bool, rank: int, world_size: int, local_l
         return step_tasks(layout, causal, r, (r - step) % world_size, world_size, local_len, cu_seqlens,
                           ulysses_size=ulysses_size, window=window, native_window=native_window)
 
-    schedule = tuple(tasks(rank, step) for step in range(world_size))
+    if window is None and layout == "document_zigzag" and cu_seqlens is not None:  # all steps in one build
+        sources = [(rank - step) % world_size for step in range(world_size)]
+        schedule = tuple(document_zigzag_steps(causal, rank, sources, world_size, local_len, cu_seqlens, ulysses_size))
+    else:
+        schedule = tuple(tasks(rank, step) for step in range(world_size))
     if window is None:
         every = ((0, local_len),) * world_size
         return ExchangePlan(schedule, every, every)

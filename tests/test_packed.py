@@ -102,3 +102,52 @@ def empty_document_case(layout: str, cu_seqlens: tuple[int, ...]) -> float:
 @pytest.mark.parametrize("layout", ["zigzag", "document_zigzag", "striped"])
 def test_empty_documents_are_allowed(pools, layout: str) -> None:
     pools.get(2).run(empty_document_case, layout, (0, 4, 4, 8, 8, 16))
+
+
+def schedule_builds_case() -> list[int]:
+    """Issue 24: the packed schedule is built once per distinct ``cu_seqlens`` (and topology
+    parameters) on the group, and reused by every layer and the backward. Builds counted
+    after: two layers' forward + backward; the same documents as a new tensor; a new
+    packing; a different window; the first packing again (still cached); another group."""
+    from ring_sp.schedule_cache import schedule_cache
+
+    group = dist.group.WORLD
+    cache = schedule_cache(group)
+    before = cache.builds
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    first, second = [0, 5, 6, 19, 32], [0, 3, 20, 21, 32]
+    counts = []
+
+    def layer(cu, **options) -> None:
+        ring_sp.ring_attention(q, k, v, causal=True, layout="document_zigzag", cu_seqlens=cu, **options).sum().backward()
+
+    layer(first)
+    layer(first)
+    counts.append(cache.builds - before)
+    layer(torch.tensor(first))
+    counts.append(cache.builds - before)
+    layer(second)
+    counts.append(cache.builds - before)
+    layer(second, sliding_window=4)
+    counts.append(cache.builds - before)
+    layer(first)
+    counts.append(cache.builds - before)
+    other = dist.new_group(list(range(dist.get_world_size())))
+    ring_sp.ring_attention(q, k, v, group=other, causal=True, layout="document_zigzag", cu_seqlens=first)
+    counts.append(schedule_cache(other).builds)
+    return counts
+
+
+def test_the_packed_schedule_is_built_once_per_distinct_documents(pools) -> None:
+    assert pools.get(2).run(schedule_builds_case) == [[1, 1, 2, 3, 3, 1]] * 2
+
+
+def test_schedule_cache_is_a_bounded_lru() -> None:
+    from ring_sp.schedule_cache import ScheduleCache
+
+    cache: ScheduleCache[str] = ScheduleCache(maxsize=2)
+    assert [cache.get(key, lambda key=key: key * 2) for key in ("a", "b", "a", "c", "b")] == ["aa", "bb", "aa", "cc", "bb"]
+    assert cache.builds == 4 and len(cache) == 2  # "b" was evicted by "c" ("a" used more recently)
+    with pytest.raises(ValueError, match="maxsize=0"):
+        ScheduleCache(maxsize=0)

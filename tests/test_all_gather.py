@@ -165,3 +165,27 @@ def test_a_bad_or_mismatched_kv_exchange_is_refused(pools) -> None:
         assert "kv_exchange='allgather'" in message and "all_gather" in message
     for message in pool.run(_validation, True, timeout=120):
         assert "kv_exchange='all_gather'" in message and "disagree" in message
+
+
+def test_planner_bytes_by_hand_and_its_choice() -> None:
+    # MLA-like: 1 KV head, d = 192, d_v = 128, bf16, R = 4 of 2048 tokens each
+    fwd, bwd = layer_bytes(ulysses=1, ring=4, batch=1, local_len=2048, heads=16, kv_heads=1, head_dim=192,
+                           dtype="bf16", value_head_dim=128, kv_exchange=AG)
+    shard = 2048 * 1 * (192 + 128)
+    assert fwd == {"allgather_kv": 3 * shard * 2}
+    assert bwd == {"allgather_kv": 3 * shard * 2, "reduce_scatter_dkv": 3 * shard * 4}
+    common = dict(ulysses=1, batch=1, heads=32, head_dim=128, value_head_dim=128, dtype=torch.bfloat16,
+                  layout="zigzag", causal=True, sliding_window=None)
+    # few KV heads and short chunks: 7 synchronising ring steps cost more than the gather's exposed share
+    assert choose_kv_exchange(ring=8, local_len=1024, kv_heads=1, **common) == AG
+    # MHA over long chunks: the ring hides every transfer, the gather's reduce-scatter would not hide
+    assert choose_kv_exchange(ring=8, local_len=16384, kv_heads=32, **common) == "ring"
+    # the CLI's plan lists both; its pick for the pinned grid agrees with choose_kv_exchange
+    cluster = Cluster(8, 8, 494.5e12, 450e9, 50e9, latency=10e-6)
+    model = ModelShape(32, 1, 128, 4096, 1)
+    result = plan(cluster, model, Workload(8192), ulysses=1, kv_exchange="auto")
+    assert {c.kv_exchange for c in result.candidates} == {"ring", AG}
+    assert result.recommended.kv_exchange == choose_kv_exchange(ring=8, local_len=1024, kv_heads=1, cluster=cluster,
+                                                                **common) == AG
+    ring, gather = (next(c for c in result.candidates if c.kv_exchange == x) for x in ("ring", AG))
+    assert gather.working_bytes > ring.working_bytes  # it holds every KV shard and fp32 partial in backward

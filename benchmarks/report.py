@@ -254,12 +254,19 @@ def activations_table(records: list[Record]) -> list[str]:
          "peak checkpointed MiB"], body)
 
 
+def _kv_exchange_table(records: list[Record]) -> list[str]:
+    from .kv_exchange import kv_exchange_table  # (it imports this module)
+
+    return kv_exchange_table(records)
+
+
 def markdown(records: list[Record], header: list[str]) -> str:
     lines = header + [""]
     for title, section in (("Speed", timing_tables), ("Work balance, bytes and memory", profile_table),
                            ("Memory per rank", memory_tables), ("Activation memory per layer", activations_table),
                            ("Overlap with a slow link", overlap_table),
-                           ("Fewer heads than ranks", heads_table)):
+                           ("Fewer heads than ranks", heads_table),
+                           ("All-gathered KV against the ring", _kv_exchange_table)):
         body = section(records)
         if body:
             lines += [f"### {title}", ""] + body + [""]

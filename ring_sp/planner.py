@@ -20,7 +20,7 @@ message's latency and the lockstep wait of a ring step; 0 = bandwidth only). In 
 bandwidth model a pipelined ring is never slower than gathering (same bytes, every step
 overlapped); the all-gather wins where the ring's ``R - 1`` (forward) and ``R`` (backward)
 synchronising steps cost more than their transfers: few KV heads (GQA 8:1, MLA), short
-chunks, sliding windows whose halo is every rank (striped). The CLI's defaults are
+chunks, sliding windows whose halo is every rank (striped), ``R = 2``. The CLI's defaults are
 nominal datasheet figures (:mod:`ring_sp.plan`); pass measured ones (nccl-tests bus
 bandwidth, a flash-attention benchmark) for real predictions.
 """

@@ -183,6 +183,11 @@ def test_planner_bytes_by_hand_and_its_choice() -> None:
     assert choose_kv_exchange(ring=8, local_len=1024, kv_heads=1, **common) == AG
     # MHA over long chunks: the ring hides every transfer, the gather's reduce-scatter would not hide
     assert choose_kv_exchange(ring=8, local_len=16384, kv_heads=32, **common) == "ring"
+    # a sliding window striped over every rank: each ring step's block is a thin band, every step synchronises
+    window = {**common, "sliding_window": 256}
+    assert choose_kv_exchange(ring=8, local_len=1024, kv_heads=8, **{**window, "layout": "striped"}) == AG
+    # contiguous: the ring's halo is one partner, gathering everything loses
+    assert choose_kv_exchange(ring=8, local_len=1024, kv_heads=8, **{**window, "layout": "contiguous"}) == "ring"
     # the CLI's plan lists both; its pick for the pinned grid agrees with choose_kv_exchange
     cluster = Cluster(8, 8, 494.5e12, 450e9, 50e9, latency=10e-6)
     model = ModelShape(32, 1, 128, 4096, 1)

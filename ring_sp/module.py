@@ -19,7 +19,8 @@ class SequenceParallelAttention(nn.Module):
     ``reuse_on_recompute`` (activation checkpointing's re-run reuses the first run's
     output instead of running the ring again): see :func:`ring_sp.ring_attention`.
     ``sliding_window``: the default window of :meth:`forward` (see
-    :func:`ring_sp.ring_attention`; needs ``causal=True``).
+    :func:`ring_sp.ring_attention`; needs ``causal=True``). ``kv_exchange``: how each ring
+    group exchanges KV, ``"ring"``, ``"all_gather"`` or ``"auto"`` (see :func:`ring_sp.ring_attention`).
     """
 
     def __init__(

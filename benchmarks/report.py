@@ -282,6 +282,12 @@ def ulysses_table(records: list[Record]) -> list[str]:
                          body)
 
 
+def _kv_exchange_table(records: list[Record]) -> list[str]:
+    from .kv_exchange import kv_exchange_table  # (it imports this module)
+
+    return kv_exchange_table(records)
+
+
 def markdown(records: list[Record], header: list[str]) -> str:
     lines = header + [""]
     for title, section in (("Speed", timing_tables), ("Work balance, bytes and memory", profile_table),
@@ -289,7 +295,8 @@ def markdown(records: list[Record], header: list[str]) -> str:
                            ("Overlap with a slow link", overlap_table),
                            ("Fewer heads than ranks", heads_table),
                            ("Packed schedule build cost", schedule_table),
-                           ("Ulysses against DeepSpeed, head shapes", ulysses_table)):
+                           ("Ulysses against DeepSpeed, head shapes", ulysses_table),
+                           ("All-gathered KV against the ring", _kv_exchange_table)):
         body = section(records)
         if body:
             lines += [f"### {title}", ""] + body + [""]

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .kernels import BACKENDS
 from .layouts import LAYOUTS
+from .validation import KV_EXCHANGES
 
 ENV_FLAG = "RING_SP_VALIDATE"
 _CACHE_SIZE = 4096
@@ -51,7 +52,7 @@ class CallSignature:
     @staticmethod
     def of(q: object, k: object, v: object, *, causal: object, layout: object, softmax_scale: object,
            backend: object, ulysses_size: int, ring_size: int, cu_seqlens: tuple[int, ...] | None = None,
-           sinks: object = None, sliding_window: object = None) -> CallSignature:
+           sinks: object = None, sliding_window: object = None, kv_exchange: object = "ring") -> CallSignature:
         def shape(t: object) -> tuple[int, int, int, int]:
             dims = tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else (-1, -1, -1, -1)
             return dims  # type: ignore[return-value]
@@ -64,11 +65,11 @@ class CallSignature:
         values = (*shape(q), *shape(k), *shape(v), code(dtype, _DTYPES), code(device, ("cpu", "cuda")),
                   int(causal is True), code(layout, LAYOUTS), code(backend, BACKENDS), _scale_bits(softmax_scale), ulysses_size, ring_size,
                   -1 if cu_seqlens is None else len(cu_seqlens), _checksum(cu_seqlens), *_sinks_code(sinks),
-                  _window_code(sliding_window))
+                  _window_code(sliding_window), code(kv_exchange, KV_EXCHANGES))
         text = (f"q {shape(q)}, k {shape(k)}, v {shape(v)}, dtype {dtype}, device {device}, causal={causal!r}, "
                 f"layout={layout!r}, softmax_scale={softmax_scale!r}, backend={backend!r}, ulysses x ring = {ulysses_size} x {ring_size}, "
                 f"cu_seqlens={'None' if cu_seqlens is None else f'{len(cu_seqlens) - 1} documents (checksum {_checksum(cu_seqlens)})'}, "
-                f"sinks={_describe_sinks(sinks)}, sliding_window={sliding_window!r}")
+                f"sinks={_describe_sinks(sinks)}, sliding_window={sliding_window!r}, kv_exchange={kv_exchange!r}")
         return CallSignature(values, text)
 
 

@@ -5,7 +5,8 @@ ranks (either may be absent = size 1):
 
 1. Ulysses all-to-all (U > 1): sequence shard -> head shard, reordered into the ring's
    layout; KV heads are sent un-replicated when ``U`` divides ``h_kv``.
-2. Ring attention over ``R`` ranks on ``H/U`` heads (R = 1 is plain local attention).
+2. Ring attention over ``R`` ranks on ``H/U`` heads (R = 1 is plain local attention);
+   ``kv_exchange="all_gather"`` gathers the ring group's KV once instead of rotating it.
 3. The inverse all-to-all.
 
 Before step 1, every rank checks its own arguments and then (once per new signature, or
@@ -31,8 +32,8 @@ from .recompute import reuse_requested
 from .ring import RingSpec, ring_comm_for
 from .schedule_cache import schedule_cache
 from .topology import SequenceParallelTopology
-from .validation import (check_cu_seqlens, check_group, check_local_length, check_options, check_qkv, check_sinks,
-                         check_sliding_window, resolve_scale)
+from .validation import (check_cu_seqlens, check_group, check_kv_exchange, check_local_length, check_options,
+                         check_qkv, check_sinks, check_sliding_window, resolve_scale)
 
 
 def check_ulysses_heads(heads: int, kv_heads: int, ulysses_size: int) -> None:
@@ -69,8 +70,10 @@ def _prepare(
     cu_seqlens: Boundaries | None,
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    kv_exchange: str = "ring",
 ) -> tuple[RingSpec, UlyssesSpec | None]:
     """Every local check, then the plan of the call. Raises before any collective."""
+    check_kv_exchange(kv_exchange)
     check_qkv(q, k, v)
     check_sinks(sinks, q)
     check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
@@ -89,12 +92,27 @@ def _prepare(
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[3], v.shape[3])
     # A window covering the whole sequence is plain causal attention: the same schedule, bit for bit.
     window = sliding_window if sliding_window is not None and sliding_window < global_len else None
+    if kv_exchange == "auto":
+        kv_exchange = _planned_kv_exchange(q, k, v, u, r, layout, causal, window)
     owner = ring_group if ring_group is not None else ulysses_group
     assert owner is not None  # every entry point passes one group at least
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
                     resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens, window=window,
-                    ulysses_size=u, schedules=schedule_cache(owner))
+                    ulysses_size=u, schedules=schedule_cache(owner), kv_exchange=kv_exchange)
     return ring, (UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None)
+
+
+def _planned_kv_exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: int, r: int, layout: str, causal: bool,
+                         window: int | None) -> str:
+    """``kv_exchange="auto"``: the planner's choice for this call's ring (the same on every
+    rank: it depends only on the agreed shapes and options)."""
+    if r == 1:
+        return "ring"
+    from .planner import choose_kv_exchange  # (the planner imports this module)
+
+    return choose_kv_exchange(ulysses=u, ring=r, batch=q.shape[0], local_len=q.shape[1], heads=q.shape[2],
+                              kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3], dtype=q.dtype,
+                              layout=layout, causal=causal, sliding_window=window)
 
 
 def _attention(
@@ -115,10 +133,11 @@ def _attention(
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
     reuse_on_recompute: bool | None = None,
+    kv_exchange: str = "ring",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
     options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                   sliding_window=sliding_window)
+                   sliding_window=sliding_window, kv_exchange=kv_exchange)
     always = validation_requested(validate)
     boundaries = None
     try:
@@ -169,6 +188,7 @@ def ring_attention(
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
     reuse_on_recompute: bool | None = None,
+    kv_exchange: str = "ring",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ring attention over ``group`` (None = the default group).
 
@@ -194,12 +214,20 @@ def ring_attention(
     ``reuse_on_recompute``: when activation checkpointing re-runs this call in backward,
     reuse the first run's output and lse instead of running the ring again (default on;
     ``RING_SP_REUSE_ON_RECOMPUTE=0`` turns it off globally; see :mod:`ring_sp.recompute`).
+    ``kv_exchange``: how the ring group exchanges KV. ``"ring"`` (default) rotates the shards
+    step by step; ``"all_gather"`` gathers every rank's (un-replicated) KV shard once, in one
+    collective overlapped with the own block's compute, computes the same blocks of the same
+    schedule against it, and reduce-scatters the fp32 dK/dV once (fewer steps and messages;
+    holds ``R`` KV shards and ``R`` fp32 dK/dV shards in backward); ``"auto"``: the planner's
+    choice for the call's shapes (:func:`ring_sp.planner.choose_kv_exchange`). Every option
+    above works with either.
     """
     ring_group = _group_or_world(group)
     out, lse = _attention(q, k, v, ulysses_group=None, ring_group=ring_group, agreement_group=ring_group,
                           causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                           return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
-                          sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute)
+                          sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute,
+                          kv_exchange=kv_exchange)
     return (out, lse) if return_lse else out
 
 
@@ -251,6 +279,7 @@ def hybrid_attention(
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
     reuse_on_recompute: bool | None = None,
+    kv_exchange: str = "ring",
 ) -> torch.Tensor:
     """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
 
@@ -261,7 +290,8 @@ def hybrid_attention(
     for every ``U x R``; ``striped`` when U == 1 or R == 1. Returns ``[b, n, h, d_v]``.
     ``validate``, ``cu_seqlens``, ``sliding_window``, ``sinks`` and ``reuse_on_recompute``:
     as in :func:`ring_attention` and :func:`ulysses_attention` (``document_zigzag`` works
-    for every ``U x R``).
+    for every ``U x R``). ``kv_exchange``: as in :func:`ring_attention`, over the ring group
+    (after the Ulysses all-to-all: the ``h_kv / U`` KV heads are gathered, never q-replicated).
     """
     if not isinstance(topology, SequenceParallelTopology):
         raise TypeError(
@@ -271,4 +301,5 @@ def hybrid_attention(
     return _attention(q, k, v, ulysses_group=topology.ulysses_group, ring_group=topology.ring_group,
                       agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
                       backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
-                      sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute)[0]
+                      sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute,
+                      kv_exchange=kv_exchange)[0]

@@ -99,6 +99,21 @@ class RingComm:
             ops.append(dist.P2POp(dist.irecv, recv, self._global[(self.rank - offset) % self.world_size], self.group))
         return PendingExchange(dist.batch_isend_irecv(ops))
 
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, kind: str) -> PendingExchange:
+        """Post ``output[i * input.numel():][:input.numel()] = rank i's input`` for every rank
+        (flat, contiguous); returns at once. Records the ``R - 1`` copies of ``input`` that
+        must leave this rank (any algorithm: every peer needs it)."""
+        _record(kind, _nbytes(input) * (self.world_size - 1))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the name before torch 2.13)
+        return PendingExchange([gather(output, input, group=self.group, async_op=True)])
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, kind: str) -> None:
+        """``output`` = the sum over ranks of their ``input``'s chunk ``rank`` (flat, ``R``
+        equal chunks). Records the ``R - 1`` chunks that leave this rank."""
+        _record(kind, _nbytes(input) * (self.world_size - 1) // self.world_size)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (the name before 2.13)
+        scatter(output, input, group=self.group)
+
 
 def all_to_all_equal(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, kind: str) -> None:
     """``all_to_all_single`` of equal splits along dim 0 (``input.shape[0] == group size``)."""

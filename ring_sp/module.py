@@ -7,7 +7,7 @@ from torch import nn
 
 from .attention import hybrid_attention
 from .topology import SequenceParallelTopology
-from .validation import check_options, check_sliding_window
+from .validation import check_kv_exchange, check_options, check_sliding_window
 
 
 class SequenceParallelAttention(nn.Module):
@@ -19,7 +19,8 @@ class SequenceParallelAttention(nn.Module):
     ``reuse_on_recompute`` (activation checkpointing's re-run reuses the first run's
     output instead of running the ring again): see :func:`ring_sp.ring_attention`.
     ``sliding_window``: the default window of :meth:`forward` (see
-    :func:`ring_sp.ring_attention`; needs ``causal=True``).
+    :func:`ring_sp.ring_attention`; needs ``causal=True``). ``kv_exchange``: how each ring
+    group exchanges KV, ``"ring"``, ``"all_gather"`` or ``"auto"`` (see :func:`ring_sp.ring_attention`).
     """
 
     def __init__(
@@ -33,12 +34,15 @@ class SequenceParallelAttention(nn.Module):
         validate: bool | None = None,
         sliding_window: int | None = None,
         reuse_on_recompute: bool | None = None,
+        kv_exchange: str = "ring",
     ) -> None:
         super().__init__()
         if not isinstance(topology, SequenceParallelTopology):
             raise TypeError(f"topology must be a SequenceParallelTopology; got {type(topology).__name__}")
         check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
         check_sliding_window(sliding_window, causal)
+        check_kv_exchange(kv_exchange)
+        self.kv_exchange = kv_exchange
         self.sliding_window = sliding_window
         self.topology = topology
         self.causal = causal
@@ -61,10 +65,11 @@ class SequenceParallelAttention(nn.Module):
             q, k, v, topology=self.topology, causal=self.causal, layout=self.layout,
             softmax_scale=self.softmax_scale, backend=self.backend, validate=self.validate, cu_seqlens=cu_seqlens,
             sinks=sinks, sliding_window=window, reuse_on_recompute=self.reuse_on_recompute,
+            kv_exchange=self.kv_exchange,
         )
 
     def extra_repr(self) -> str:
         t = self.topology
         window = f", sliding_window={self.sliding_window}" if self.sliding_window is not None else ""
         return (f"ulysses={t.ulysses_size}, ring={t.ring_size}, causal={self.causal}, layout={self.layout!r}, "
-                f"backend={self.backend!r}{window}")
+                f"backend={self.backend!r}, kv_exchange={self.kv_exchange!r}{window}")

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 from .planner import DTYPES, Candidate, Cluster, ModelShape, Plan, PlanError, Workload, plan
 from .topology import PLACEMENTS
+from .validation import KV_EXCHANGES
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,17 @@ LINKS = {
 # FlashAttention-3 up to 75% on H100; we take the low end.
 DEFAULT_EFFICIENCY = 0.5
 
+# A fixed cost per synchronising exchange (a ring step, a collective): NCCL's small-message
+# latency on NVLink is a few microseconds, plus the step's wait on its slowest peer; nominal.
+DEFAULT_LATENCY_US = 10.0
+
+
+def nominal_cluster(world_size: int) -> Cluster:
+    """One node of ``world_size`` H100s at the CLI's defaults: what ``kv_exchange="auto"`` plans with."""
+    gpu = GPUS["h100"]
+    return Cluster(world_size, world_size, gpu.tflops * 1e12 * DEFAULT_EFFICIENCY, LINKS[gpu.intra_link],
+                   LINKS["ib400"], gpu.memory_gib * 2**30, DEFAULT_LATENCY_US * 1e-6)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ring-sp plan", description=__doc__,
@@ -70,11 +82,15 @@ def _parser() -> argparse.ArgumentParser:
     job.add_argument("--inter", choices=sorted(LINKS), default="ib400", help="inter-node link per GPU (default ib400)")
     job.add_argument("--intra-gbps", type=float, help="intra-node GB/s per GPU per direction (overrides --intra)")
     job.add_argument("--inter-gbps", type=float, help="inter-node GB/s per GPU per direction (overrides --inter)")
+    job.add_argument("--latency-us", type=float, default=DEFAULT_LATENCY_US,
+                     help=f"fixed cost of each synchronising exchange, a ring step or a collective, in microseconds "
+                          f"(default {DEFAULT_LATENCY_US:g}; 0 = bandwidth only)")
     model = p.add_argument_group("model and sequence")
     model.add_argument("--heads", type=int, required=True, help="query heads")
     model.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     model.add_argument("--hidden", type=int, required=True, help="hidden size")
     model.add_argument("--head-dim", type=int, help="default: hidden / heads")
+    model.add_argument("--value-head-dim", type=int, help="value head size d_v (default: --head-dim; MLA differs)")
     model.add_argument("--layers", type=int, required=True)
     model.add_argument("--seq-len", type=int, required=True, help="tokens per sample (the global sequence)")
     model.add_argument("--batch", type=int, default=1, help="samples per SP group per step")
@@ -86,6 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     pin.add_argument("--ulysses", type=int, help="Ulysses size U (ring size = SP / U)")
     pin.add_argument("--placement", choices=PLACEMENTS)
     pin.add_argument("--layout", choices=("auto", "zigzag", "striped", "contiguous"), default="auto")
+    pin.add_argument("--kv-exchange", choices=KV_EXCHANGES, default="auto",
+                     help="the ring group's KV exchange: ring, all_gather, or auto (model both; default)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -97,9 +115,10 @@ def _request(args: argparse.Namespace) -> tuple[Cluster, ModelShape, Workload]:
     inter = args.inter_gbps * 1e9 if args.inter_gbps else LINKS[args.inter]
     memory = (args.gpu_memory_gib if args.gpu_memory_gib is not None else gpu.memory_gib) * 2**30
     head_dim = args.head_dim if args.head_dim is not None else args.hidden // args.heads if args.heads > 0 else 0
-    cluster = Cluster(args.world_size, args.gpus_per_node, tflops * 1e12 * args.efficiency, intra, inter, memory)
+    cluster = Cluster(args.world_size, args.gpus_per_node, tflops * 1e12 * args.efficiency, intra, inter, memory,
+                      args.latency_us * 1e-6)
     model = ModelShape(args.heads, args.kv_heads if args.kv_heads is not None else args.heads, head_dim,
-                       args.hidden, args.layers)
+                       args.hidden, args.layers, args.value_head_dim)
     work = Workload(args.seq_len, args.batch, args.dtype, not args.non_causal, args.sp_size, args.sliding_window)
     return cluster, model, work
 
@@ -130,20 +149,22 @@ def render(result: Plan, args: argparse.Namespace) -> str:
         f"  links    intra-node {cl.intra_bw / 1e9:.0f} GB/s, inter-node {cl.inter_bw / 1e9:.0f} GB/s "
         "(per GPU, per direction)",
         "",
-        f"recommended: {best.label}, placement {best.placement}, layout {best.layout}",
+        f"recommended: {best.label}, placement {best.placement}, layout {best.layout}, kv exchange {best.kv_exchange}",
         f"  all-to-all on {best.ulysses_link} links, ring on {best.ring_link} links; ring hides its transfers "
         f"(fwd/bwd): {_hides(best)}; {best.ring_chunk} tokens per ring rank",
         f"  modelled attention time {best.layer_s * 1e3:.2f} ms per layer (fwd+bwd), "
         f"{best.layer_s * m.layers * 1e3:.1f} ms per step; {best.memory_bytes / 2**30:.2f} GiB activations per GPU",
         "",
-        "| U x R | placement | layout | all-to-all | ring | tokens/ring rank | ring hides fwd/bwd (min tokens) "
-        "| MiB sent/layer fwd | bwd | activations GiB/GPU | attention buffers MiB | ms/layer fwd+bwd | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| U x R | placement | layout | kv exchange | all-to-all | ring | tokens/ring rank "
+        "| ring hides fwd/bwd (min tokens) | MiB sent/layer fwd | bwd | activations GiB/GPU | attention buffers MiB "
+        "| ms/layer fwd+bwd | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in result.candidates:
         mark = " <-" if c is best else ""
         lines.append(
-            f"| {c.ulysses} x {c.ring}{mark} | {c.placement} | {c.layout} | {c.ulysses_link} | {c.ring_link} "
+            f"| {c.ulysses} x {c.ring}{mark} | {c.placement} | {c.layout} | {c.kv_exchange} | {c.ulysses_link} "
+            f"| {c.ring_link} "
             f"| {c.ring_chunk} | {_hides(c)} | {_mib(sum(c.bytes_fwd.values()))} | {_mib(sum(c.bytes_bwd.values()))} "
             f"| {c.activation_bytes / 2**30:.2f} | {_mib(c.working_bytes)} | {c.layer_s * 1e3:.3f} "
             f"| {'; '.join(c.notes)} |"
@@ -173,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cluster, model, work = _request(args)
-        result = plan(cluster, model, work, ulysses=args.ulysses, placement=args.placement, layout=args.layout)
+        result = plan(cluster, model, work, ulysses=args.ulysses, placement=args.placement, layout=args.layout,
+                      kv_exchange=args.kv_exchange)
     except PlanError as exc:
         print(f"ring-sp plan: error: {exc}", file=sys.stderr)
         return 2

@@ -10,16 +10,24 @@ for each one, per rank and per attention layer:
 * time: the Ulysses all-to-alls (not overlapped) plus the ring, whose steps run in
   lockstep, each lasting ``max(compute, transfer)`` when the next exchange is in flight
   during the current compute (the overlap of DESIGN.md section 4);
-* activation memory kept for backward over all layers, and the ring's working buffers.
+* activation memory kept for backward over all layers, and the ring's working buffers;
+* the ring group's KV exchange (``kv_exchange``): the ring, or one all-gather of the KV
+  shards overlapped with the own block and one reduce-scatter of the fp32 dK/dV
+  (:func:`_gather_ring_seconds`); :func:`choose_kv_exchange` is ``kv_exchange="auto"``.
 
-Bandwidth-only model: per-message latency and kernel launch overheads are ignored, which
-is accurate for the long sequences sequence parallelism is for. The CLI's defaults are
+Bandwidth model plus one fixed cost per synchronising exchange (``Cluster.latency``: the
+message's latency and the lockstep wait of a ring step; 0 = bandwidth only). In a pure
+bandwidth model a pipelined ring is never slower than gathering (same bytes, every step
+overlapped); the all-gather wins where the ring's ``R - 1`` (forward) and ``R`` (backward)
+synchronising steps cost more than their transfers: few KV heads (GQA 8:1, MLA), short
+chunks, sliding windows whose halo is every rank (striped), ``R = 2``. The CLI's defaults are
 nominal datasheet figures (:mod:`ring_sp.plan`); pass measured ones (nccl-tests bus
 bandwidth, a flash-attention benchmark) for real predictions.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -32,6 +40,7 @@ from .recompute import FINGERPRINT_BYTES
 from .schedule import exchange_plan, ring_step_tasks
 from .topology import PLACEMENTS, rank_grid
 from .ulysses import kv_heads_per_rank
+from .validation import KV_EXCHANGES
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64,
           "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
@@ -58,6 +67,7 @@ class Cluster:
     intra_bw: float
     inter_bw: float
     memory_bytes: float = math.inf
+    latency: float = 0.0  # seconds per synchronising exchange (a ring step, a collective), not hidden
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,7 @@ class ModelShape:
     head_dim: int
     hidden: int
     layers: int
+    value_head_dim: int | None = None  # d_v (None: head_dim); MLA's differs
 
 
 @dataclass(frozen=True)
@@ -110,10 +121,11 @@ class Candidate:
     activation_bytes: float  # all layers' tensors kept for backward
     working_bytes: float  # ring buffers and fp32 accumulators of the attention being computed
     notes: tuple[str, ...] = ()
+    kv_exchange: str = "ring"  # "ring" or "all_gather" (ring_sp.attention's kv_exchange)
 
     @property
     def label(self) -> str:
-        return f"U={self.ulysses} x R={self.ring}"
+        return f"U={self.ulysses} x R={self.ring}{' all_gather' if self.kv_exchange == 'all_gather' else ''}"
 
     @property
     def layer_s(self) -> float:
@@ -160,7 +172,8 @@ def ring_halo_rows(layout: str, ring: int, chunk: int, window: int | None, ring_
 
 def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
                 dtype: str, value_head_dim: int | None = None, layout: str = "zigzag", causal: bool = True,
-                sliding_window: int | None = None, ring_rank: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
+                sliding_window: int | None = None, ring_rank: int | None = None,
+                kv_exchange: str = "ring") -> tuple[dict[str, int], dict[str, int]]:
     """Bytes ONE rank sends in one attention layer, forward and backward, keyed by the kinds
     :func:`ring_sp.count_communication` records (DESIGN.md section 5 as implemented).
 
@@ -178,6 +191,11 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
     or, when None, each kind's maximum over the ring ranks (a bound for every rank; with
     contiguous, rank 0 sends the only KV shard and rank 1 the only partial). Kinds with
     nothing sent are left out.
+
+    ``kv_exchange="all_gather"``: every rank's packed KV shard reaches the ``R - 1`` others,
+    forward and again in backward (``allgather_kv``), and the fp32 ``[dk; dv]`` partials of
+    every shard are reduce-scattered home (``reduce_scatter_dkv``: ``R - 1`` shards), with or
+    without a window.
     """
     elem, acc = dtype_bytes(dtype)
     d_v = head_dim if value_head_dim is None else value_head_dim
@@ -197,7 +215,11 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
         fwd["ulysses_a2a_kv"] = a2a(kv_elems, elem)
         bwd["ulysses_a2a_dkv"] = a2a(kv_elems, acc if replicated else elem)
     windowed = sliding_window is not None and sliding_window < local_len * ulysses * ring
-    if ring > 1 and windowed:
+    if ring > 1 and kv_exchange == "all_gather":
+        kv_shard = batch * local_len * ulysses * m * (head_dim + d_v)
+        fwd["allgather_kv"] = bwd["allgather_kv"] = (ring - 1) * kv_shard * elem
+        bwd["reduce_scatter_dkv"] = (ring - 1) * kv_shard * acc
+    elif ring > 1 and windowed:
         kv_row = batch * m * (head_dim + d_v)  # elements of one packed [k; v] token
         counts = {r: ring_halo_rows(layout, ring, local_len * ulysses, sliding_window, r, causal) for r in range(ring)}
         kv_rows, dkv_rows = counts[ring_rank] if ring_rank is not None else (
@@ -235,8 +257,10 @@ class AttentionMemory:
 
 
 def attention_memory(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int,
-                     head_dim: int, dtype: str) -> AttentionMemory:
-    """:class:`AttentionMemory` of one layer on one rank (``local_len`` = N / (U * R))."""
+                     head_dim: int, dtype: str, kv_exchange: str = "ring") -> AttentionMemory:
+    """:class:`AttentionMemory` of one layer on one rank (``local_len`` = N / (U * R)).
+    ``kv_exchange="all_gather"``: the backward holds the ``R`` gathered KV shards and ``R``
+    fp32 ``[dK; dV]`` partials (plus the reduce-scattered one) instead of double buffers."""
     elem, acc = dtype_bytes(dtype)
     m = kv_heads_per_rank(kv_heads, ulysses)
     q_elems = batch * local_len * heads * head_dim  # the q / out shard, in either layout
@@ -246,9 +270,12 @@ def attention_memory(*, ulysses: int, ring: int, batch: int, local_len: int, hea
     kept = out_and_lse + ((q_elems + kv_shard) * elem if ulysses > 1 else 0)
     working = q_elems * acc  # dq accumulator
     if ring > 1:
-        # this rank's own packed [k; v] (sent to r + t at every step) and the inbox: one slot
-        # at R = 2, else two (the next step's KV arrives while this step's is computed with)
-        working += (1 + min(2, ring - 1)) * kv_shard * elem + 2 * kv_shard * acc  # + [dK; dV] double buffer
+        if kv_exchange == "all_gather":  # gathered KV, every shard's partials, the one home
+            working += ring * kv_shard * elem + (ring + 1) * kv_shard * acc
+        else:
+            # this rank's own packed [k; v] (sent to r + t at every step) and the inbox: one slot
+            # at R = 2, else two (the next step's KV arrives while this step's is computed with)
+            working += (1 + min(2, ring - 1)) * kv_shard * elem + 2 * kv_shard * acc  # + [dK; dV] double buffer
         working += q_elems * acc + kv_shard * acc  # one block's gradients (each is added before the next runs)
     else:
         working += kv_shard * acc  # dk, dv
@@ -324,22 +351,45 @@ def _window_ring_seconds(layout: str, ring: int, chunk: int, window: int, flops_
     return fwd, bwd + (dkv_s * moves[last] if last is not None else 0.0), hides_fwd, hides_bwd
 
 
+def _gather_ring_seconds(layout: str, causal: bool, ring: int, chunk: int, window: int | None,
+                         flops_per_pair: float, flops: float, kv_s: float, dkv_s: float,
+                         latency: float) -> tuple[float, float, bool, bool]:
+    """(forward, backward) seconds of ``kv_exchange="all_gather"`` and whether the gathers
+    hide: each rank computes its own (diagonal) block while the ``R - 1`` shards arrive, then
+    the blocks of the same schedule against the others; in backward the re-gather hides the
+    same way and the fp32 reduce-scatter of ``R - 1`` shards comes after. The slowest rank
+    sets the time (the collectives synchronise the ranks)."""
+    gather, scatter = (ring - 1) * kv_s + latency, (ring - 1) * dkv_s + latency
+    fwd = bwd = 0.0
+    hides_fwd = hides_bwd = True
+    for rank in range(ring):
+        pairs = [sum(t.visible_pairs() for t in tasks)
+                 for tasks in exchange_plan(layout, causal, rank, ring, chunk, None, window).schedule]
+        own, rest = pairs[0] * flops_per_pair / flops, sum(pairs[1:]) * flops_per_pair / flops
+        fwd = max(fwd, max(own, gather) + rest)
+        bwd = max(bwd, max(BACKWARD_FLOP_RATIO * own, gather) + BACKWARD_FLOP_RATIO * rest + scatter)
+        hides_fwd, hides_bwd = hides_fwd and own >= gather, hides_bwd and BACKWARD_FLOP_RATIO * own >= gather
+    return fwd, bwd, hides_fwd, hides_bwd
+
+
 def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cluster, model: ModelShape,
-               work: Workload, sp_size: int) -> Candidate:
+               work: Workload, sp_size: int, kv_exchange: str = "ring") -> Candidate:
     elem, acc = dtype_bytes(work.dtype)
     b, d = work.batch, model.head_dim
+    d_v = d if model.value_head_dim is None else model.value_head_dim
     local_len, chunk = work.seq_len // sp_size, work.seq_len // ring
     heads_here, m = model.heads // ulysses, kv_heads_per_rank(model.kv_heads, ulysses)
     window = work.sliding_window if work.sliding_window is not None and work.sliding_window < work.seq_len else None
     fwd_bytes, bwd_bytes = layer_bytes(ulysses=ulysses, ring=ring, batch=b, local_len=local_len, heads=model.heads,
                                        kv_heads=model.kv_heads, head_dim=d, dtype=work.dtype, layout=layout,
-                                       causal=work.causal, sliding_window=window)
+                                       causal=work.causal, sliding_window=window, value_head_dim=d_v,
+                                       kv_exchange=kv_exchange)
     where = _Placement.of(ulysses, ring, placement, cluster)
     ring_bw = cluster.inter_bw if where.ring_link == "inter" else cluster.intra_bw
     a2a_fwd, a2a_bwd = (sum(where.a2a_seconds(v, cluster) for k, v in sent.items() if k.startswith("ulysses"))
                         for sent in (fwd_bytes, bwd_bytes))
 
-    kv_shard = 2 * b * chunk * m * d  # elements of one packed [k; v] ring message
+    kv_shard = b * chunk * m * (d + d_v)  # elements of one packed [k; v] ring message
     kv_s, dkv_s = kv_shard * elem / ring_bw, kv_shard * acc / ring_bw
     flops_per_pair = 4 * d * heads_here * b  # q.k and p.v over every local head (DESIGN section 8)
     compute = [pairs * flops_per_pair / cluster.flops for pairs in _step_pairs(layout, work.causal, ring, chunk)]
@@ -354,6 +404,15 @@ def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cl
     if window is not None:  # (the min-chunk figures stay those of the full ring)
         ring_fwd, ring_bwd, hides_fwd, hides_bwd = _window_ring_seconds(layout, ring, chunk, window, flops_per_pair,
                                                                         cluster.flops, kv_s, dkv_s)
+    if ring > 1 and kv_exchange == "all_gather":
+        ring_fwd, ring_bwd, hides_fwd, hides_bwd = _gather_ring_seconds(
+            layout, work.causal, ring, chunk, window, flops_per_pair, cluster.flops, kv_s, dkv_s, cluster.latency)
+    elif ring > 1 and cluster.latency:  # every step that moves KV synchronises (and one more sends dK/dV home)
+        moving = (ring - 1 if window is None else
+                  sum(any(exchange_plan(layout, True, r, ring, chunk, None, window).receives[t] for r in range(ring))
+                      for t in range(1, ring)))
+        ring_fwd += moving * cluster.latency
+        ring_bwd += (moving + 1) * cluster.latency
     # (rounded first: float noise must not turn an exact 4945.0 into 4946)
     min_fwd = math.ceil(round(kv_s * chunk / hardest, 6)) if ring > 1 else 0
     min_bwd = math.ceil(round((kv_s + dkv_s) * chunk / (BACKWARD_FLOP_RATIO * hardest), 6)) if ring > 1 else 0
@@ -361,7 +420,7 @@ def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cl
     n_tokens = b * local_len
     layer_act = LAYER_ACTIVATION_BYTES_PER_TOKEN_HIDDEN * n_tokens * model.hidden * elem / 2
     memory = attention_memory(ulysses=ulysses, ring=ring, batch=b, local_len=local_len, heads=model.heads,
-                              kv_heads=model.kv_heads, head_dim=d, dtype=work.dtype)
+                              kv_heads=model.kv_heads, head_dim=d, dtype=work.dtype, kv_exchange=kv_exchange)
     # Korthikanti's 34 already counts the attention output (the projection's input): beyond it
     # ring_sp keeps lse, and with Ulysses the head-sharded q, k/v and out.
     saved = memory.kept - (n_tokens * model.heads * d * elem if ulysses == 1 else 0)
@@ -374,7 +433,9 @@ def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cl
         notes.append(f"KV heads replicated {ulysses // model.kv_heads}x")
     if layout == "contiguous" and work.causal and ring > 1 and window is None:
         notes.append("causal work unbalanced (~2x)")
-    if window is not None and ring > 1:
+    if ring > 1 and kv_exchange == "all_gather":
+        notes.append(f"KV all-gathered: {ring} KV shards held in backward")
+    elif window is not None and ring > 1:
         notes.append(f"sliding window {window}: {fwd_bytes.get('ring_kv', 0) / (kv_shard * elem):.2f} KV shards "
                      f"sent instead of {ring - 1}")
     return Candidate(
@@ -383,6 +444,7 @@ def _candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Cl
         hides_fwd=hides_fwd, hides_bwd=hides_bwd,
         a2a_fwd_s=a2a_fwd, a2a_bwd_s=a2a_bwd, ring_fwd_s=ring_fwd, ring_bwd_s=ring_bwd,
         activation_bytes=model.layers * (layer_act + saved), working_bytes=working, notes=tuple(notes),
+        kv_exchange=kv_exchange,
     )
 
 
@@ -411,8 +473,10 @@ def _layout_for(layout: str, causal: bool, ulysses: int, ring: int, seq_len: int
 
 
 def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | None = None,
-         placement: str | None = None, layout: str = "auto") -> Plan:
-    """Every runnable ``U x R`` (``ulysses`` / ``placement`` pin them), modelled, fastest first.
+         placement: str | None = None, layout: str = "auto", kv_exchange: str = "ring") -> Plan:
+    """Every runnable ``U x R`` (``ulysses`` / ``placement`` pin them), modelled, fastest first;
+    ``kv_exchange``: the ring group's exchange, "ring" (default here), "all_gather", or "auto"
+    (both, as candidates of their own; the ``ring-sp plan`` CLI's default).
 
     Raises :class:`PlanError` naming the problem when nothing can run.
     """
@@ -441,6 +505,9 @@ def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | 
             check_layout(layout, sp, work.seq_len, name="seq-len")
         except ValueError as exc:
             raise PlanError(str(exc)) from None
+    if kv_exchange not in KV_EXCHANGES:
+        raise PlanError(f"kv-exchange={kv_exchange!r} is not one of {KV_EXCHANGES}")
+    exchanges = ("ring", "all_gather") if kv_exchange == "auto" else (kv_exchange,)
     if placement is not None and placement not in PLACEMENTS:
         raise PlanError(f"placement={placement!r} is not one of {PLACEMENTS}")
     if ulysses is not None:
@@ -469,18 +536,19 @@ def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | 
             continue
         if layout == "auto" and work.sliding_window is not None and r > 1 and chosen != ["contiguous"]:
             chosen.append("contiguous")  # a window balances causal work by itself: contiguous may win on bytes
-        options = [_candidate(u, r, p, lay, cluster, model, work, sp) for lay in chosen for p in ([placement] if placement
-                   else PLACEMENTS if u > 1 and r > 1 else ["ulysses_inner"])]
+        options = [_candidate(u, r, p, lay, cluster, model, work, sp, x) for lay in chosen for p in ([placement] if placement
+                   else PLACEMENTS if u > 1 and r > 1 else ["ulysses_inner"]) for x in (exchanges if r > 1 else ("ring",))]
         # placements that put every group on the same links (one node, say) are one candidate: the default
-        same = [(c.layout, c.ulysses_link, c.ring_link, c.layer_s) for c in options]
+        same = [(c.layout, c.kv_exchange, c.ulysses_link, c.ring_link, c.layer_s) for c in options]
         candidates += [c for i, c in enumerate(options) if same[i] not in same[:i]]
     if not candidates:
         raise PlanError("no U x R split can run this request:\n  " + "\n  ".join(skipped))
 
     candidates.sort(key=lambda c: c.layer_s)
-    # Within 1% of the fastest, the model cannot tell: prefer fewer bytes, then the default placement.
+    # Within 1% of the fastest, the model cannot tell: prefer the ring's exchange (less memory),
+    # then fewer bytes, then the default placement.
     close = [c for c in candidates if c.layer_s <= 1.01 * candidates[0].layer_s]
-    best = min(close, key=lambda c: (c.total_bytes, c.placement != "ulysses_inner"))
+    best = min(close, key=lambda c: (c.kv_exchange != "ring", c.total_bytes, c.placement != "ulysses_inner"))
     warnings = _warnings(candidates, best, cluster, pinned=ulysses is not None)
     if layout == "auto" and work.causal and work.seq_len % (2 * sp) != 0:
         warnings.append(f"seq-len={work.seq_len} is not a multiple of 2 x SP = {2 * sp}, so zigzag is impossible: "
@@ -504,3 +572,27 @@ def _warnings(candidates: list[Candidate], best: Candidate, cluster: Cluster, pi
             f"{cluster.memory_bytes / 2**30:.0f} GiB (weights and optimizer state not counted): raise the SP degree "
             f"or recompute activations")
     return warnings
+
+
+@functools.lru_cache(maxsize=256)  # called on every attention call with kv_exchange="auto"
+def choose_kv_exchange(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int,
+                       head_dim: int, value_head_dim: int, dtype: torch.dtype, layout: str, causal: bool,
+                       sliding_window: int | None, cluster: Cluster | None = None) -> str:
+    """``kv_exchange="auto"``: "all_gather" where this module models it > 1% faster than the ring for
+    one call (``local_len`` = the SP shard, ``heads`` / ``kv_heads`` before the Ulysses split),
+    else "ring". ``cluster`` None: the CLI's nominal figures (an H100 NVLink node, the default
+    ``--latency-us``); a pure function of the call's agreed shapes, so every rank picks the same."""
+    if ring == 1:
+        return "ring"
+    if cluster is None:
+        from .plan import nominal_cluster  # (plan imports this module)
+
+        cluster = nominal_cluster(ulysses * ring)
+    name = next(key for key, value in DTYPES.items() if value == dtype and len(key) <= 4)
+    model = ModelShape(heads, kv_heads, head_dim, heads * head_dim, 1, value_head_dim)
+    work = Workload(local_len * ulysses * ring, batch, name, causal, ulysses * ring, sliding_window)
+    shape = "zigzag" if layout == "document_zigzag" else layout  # the same causal balance, no documents modelled
+    seconds = {x: _candidate(ulysses, ring, "ulysses_inner", shape, cluster, model, work, ulysses * ring, x).layer_s
+               for x in ("ring", "all_gather")}
+    # as plan(): within 1% the model cannot tell, and the ring holds less
+    return "all_gather" if seconds["all_gather"] < 0.99 * seconds["ring"] else "ring"

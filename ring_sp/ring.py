@@ -15,6 +15,12 @@ accumulator with its shard, home after ``R`` sends (last hop in the input dtype)
 window sends each fp32 partial straight home to ``r - t``, where the owner sums them and
 rounds once (it then talks to its halo partners only). Attention sinks fold into the
 merged rows once, at the end of the forward (:func:`ring_sp.merge.fold_sinks`).
+
+``kv_exchange="all_gather"`` (:attr:`RingSpec.gather_kv`) runs the SAME two loops over the
+same schedule, only the KV of step ``t`` comes from one all-gather of every rank's packed
+shard (posted before step 0, so it overlaps the own block's compute; forward and again in
+backward) instead of a message, and the dK/dV partials of every source are added into one
+fp32 buffer and reduce-scattered home at the end (:class:`_GatheredKV`, :class:`_GatheredGrads`).
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ class RingSpec:
 
     def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
                  local_len: int, cu_seqlens: Boundaries | None = None, window: int | None = None,
-                 ulysses_size: int = 1, schedules: ScheduleCache | None = None) -> None:
+                 ulysses_size: int = 1, schedules: ScheduleCache | None = None,
+                 kv_exchange: str = "ring") -> None:
         self.comm = comm
         self.kernel = kernel
         self.scale = scale
@@ -58,6 +65,8 @@ class RingSpec:
 
         self.schedule, self.recv_rows, self.send_rows = build() if schedules is None else schedules.get(key, build)
         self.relay_dkv = window is None
+        # all_gather: the KV of every step is a view of one gathered buffer (module docstring)
+        self.gather_kv = kv_exchange == "all_gather" and self.world_size > 1
         # One rank whose blocks never share a query row: nothing to merge, so no fp32
         # accumulators (the Ulysses-only case; documents give one block per document).
         self.local = self.world_size == 1 and _rows_disjoint(self.schedule[0])
@@ -200,6 +209,42 @@ class _Mail:
                                        self.kind, offset=-step if self.reverse else step)
 
 
+class _GatheredKV:
+    """``kv_exchange="all_gather"``: the KV of every step from one all-gather of all ring
+    ranks' packed shards (``R`` x one shard, in the input dtype), posted at construction and
+    waited at the end of step 0, so the own (diagonal) block's compute overlaps it. Same
+    interface as :class:`_Mail` in the forward direction."""
+
+    def __init__(self, spec: RingSpec, own: _PackedKV) -> None:
+        assert spec.comm is not None  # world_size > 1 here
+        self.spec, self.rows, self.shape = spec, own.rows, _KVShape.of(own.k, own.v)
+        self.size = own.buf.numel()
+        self.flat = torch.empty(spec.world_size * self.size, dtype=own.buf.dtype, device=own.buf.device)
+        self.pending: PendingExchange | None = spec.comm.all_gather(self.flat, own.buf, "allgather_kv")
+
+    def received(self, step: int) -> _PackedKV | None:
+        """Rows ``recv_rows[step]`` of rank ``r - step``'s shard (the schedule's key slices are
+        relative to them), as views of the gathered buffer; None where the step computes nothing."""
+        rows = self.spec.recv_rows[step]
+        if rows is None:
+            return None
+        source = (self.spec.rank - step) % self.spec.world_size
+        shard = self.shape.view(self.flat[source * self.size:(source + 1) * self.size], self.rows)
+        a, b = rows
+        return _PackedKV(shard.buf, shard.k[:, a:b], shard.v[:, a:b])
+
+    def post(self, step: int) -> PendingExchange | None:
+        """The gather, handed out once: the loop waits on it at the end of step 0."""
+        pending, self.pending = self.pending, None
+        return pending
+
+
+def _kv_mail(spec: RingSpec, own: _PackedKV, shape: _KVShape) -> _Mail | _GatheredKV:
+    """Where the loops get each step's KV: ring messages or the gathered buffer."""
+    return _GatheredKV(spec, own) if spec.gather_kv else _Mail(spec, own, "ring_kv", shape, own.buf.dtype,
+                                                                  own.buf.device)
+
+
 def _rows_disjoint(tasks: tuple[BlockTask, ...]) -> bool:
     spans = sorted((t.q.start, t.q.stop) for t in tasks)
     return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
@@ -245,7 +290,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
     out = torch.zeros((b, n, h, v.shape[3]), dtype=acc_dtype, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=acc_dtype, device=q.device)
     own = _PackedKV.of(k, v)
-    mail = _Mail(spec, own, "ring_kv", _KVShape.of(k, v), k.dtype, k.device)
+    mail = _kv_mail(spec, own, _KVShape.of(k, v))
     for step, tasks in spec.steps():
         kv = own if step == 0 else mail.received(step)  # arrived: waited at the end of the previous step
         pending = mail.post(step + 1)
@@ -308,9 +353,10 @@ def ring_backward(
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     own = _PackedKV.of(k, v)
     shape = _KVShape.of(k, v)
-    mail = _Mail(spec, own, "ring_kv", shape, k.dtype, k.device)
+    mail = _kv_mail(spec, own, shape)
     dout = dout.contiguous()
-    route = (_RelayedGrads if spec.relay_dkv else _DirectGrads)(spec, shape, k.shape[1], acc_dtype, k.device)
+    route = (_GatheredGrads if spec.gather_kv else _RelayedGrads if spec.relay_dkv else _DirectGrads)(
+        spec, shape, k.shape[1], acc_dtype, k.device)
     for step, tasks in spec.steps():
         kv = own if step == 0 else mail.received(step)
         kv_pending = mail.post(step + 1)
@@ -323,7 +369,8 @@ def ring_backward(
     return (dq, *route.finish(deliver_dtype))
 
 
-def _add_block_grads(spec: RingSpec, task: BlockTask, dq: torch.Tensor, route: _RelayedGrads | _DirectGrads,
+def _add_block_grads(spec: RingSpec, task: BlockTask, dq: torch.Tensor,
+                     route: _RelayedGrads | _DirectGrads | _GatheredGrads,
                      dout: torch.Tensor, q: torch.Tensor, kv: _PackedKV, out: torch.Tensor, lse: torch.Tensor) -> None:
     """One block's gradients, added as soon as the kernel returns them: its dq into ``dq``,
     its dk/dv (``h_kv`` wide) into the route's accumulator. Their only references are this
@@ -424,6 +471,39 @@ class _DirectGrads:
     def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         self._collect()
         return self.home.k.to(deliver_dtype), self.home.v.to(deliver_dtype)
+
+
+class _GatheredGrads:
+    """``kv_exchange="all_gather"``'s dK/dV route: every block's partial is added into an fp32
+    buffer holding one packed ``[dk; dv]`` per ring rank (the rows of the KV it came from),
+    which one reduce-scatter sums home at the end; the owner rounds once."""
+
+    def __init__(self, spec: RingSpec, shape: _KVShape, rows: int, acc_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.spec, self.shape, self.rows = spec, shape, rows
+        self.size = shape.numel(rows)
+        self.partials = torch.zeros(spec.world_size * self.size, dtype=acc_dtype, device=device)
+
+    def begin(self, step: int) -> None:
+        source = (self.spec.rank - step) % self.spec.world_size
+        self.into = self.shape.view(self.partials[source * self.size:(source + 1) * self.size], self.rows)
+        rows = self.spec.recv_rows[step]
+        self.first = 0 if step == 0 or rows is None else rows[0]  # key slices are relative to the rows used
+
+    def add(self, task: BlockTask, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+        kv = slice(task.kv.start + self.first, task.kv.stop + self.first)
+        self.into.k[:, kv] += dk_b
+        self.into.v[:, kv] += dv_b
+
+    def end(self, step: int) -> None:
+        pass  # everything goes home in one reduce-scatter at the end
+
+    def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        home = self.shape.allocate(self.rows, self.partials.dtype, self.partials.device)
+        assert self.spec.comm is not None  # world_size > 1 here
+        self.spec.comm.reduce_scatter(home.buf, self.partials, "reduce_scatter_dkv")
+        del self.partials
+        return home.k.to(deliver_dtype), home.v.to(deliver_dtype)
 
 
 def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

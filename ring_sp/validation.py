@@ -16,6 +16,8 @@ from .kernels import BACKENDS
 from .layouts import LAYOUTS
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# How the ring group exchanges KV: rotate it (the ring), gather it once, or the planner's choice.
+KV_EXCHANGES = ("ring", "all_gather", "auto")
 
 
 def _describe(x: object) -> str:
@@ -151,4 +153,14 @@ def check_sliding_window(sliding_window: object, causal: object) -> None:
         raise ValueError(
             f"sliding_window={sliding_window} needs causal=True (query i sees keys i - sliding_window < j <= i); "
             f"got causal={causal!r}. Pass causal=True, or sliding_window=None"
+        )
+
+
+def check_kv_exchange(kv_exchange: object) -> None:
+    """``kv_exchange`` is one of :data:`KV_EXCHANGES`."""
+    if not isinstance(kv_exchange, str) or kv_exchange not in KV_EXCHANGES:
+        raise ValueError(
+            f"kv_exchange={kv_exchange!r} is not one of {KV_EXCHANGES}: 'ring' rotates KV shards around the ring "
+            f"group (the default), 'all_gather' gathers every KV shard once and reduce-scatters dK/dV, 'auto' lets "
+            f"the planner (ring_sp.planner.choose_kv_exchange) pick"
         )

@@ -51,13 +51,15 @@ class AttnCase:
     sinks: bool | tuple[float, ...] = False  # one sink logit per query head: random (True) or these
     d_v: int | None = None  # value head size (None = d; MLA when different)
     window: int | None = None  # sliding_window (causal): query i sees keys i - window < j <= i
+    kv_exchange: str = "ring"  # the ring group's KV exchange: "ring", "all_gather" or "auto"
 
     def label(self) -> str:
         return (f"{self.mode} U{self.ulysses}xR{self.ring} {self.placement} {self.layout} causal={self.causal} "
                 f"b={self.b} n={self.n_local} h={self.h}/{self.h_kv} d={self.d} {self.dtype} seed={self.seed}"
                 f"{' packed' if self.packed else ''}{f' sinks={self.sinks}' if self.sinks else ''}"
                 f"{f' d_v={self.d_v}' if self.d_v is not None else ''}"
-                f"{'' if self.window is None else f' window={self.window}'}")
+                f"{'' if self.window is None else f' window={self.window}'}"
+                f"{'' if self.kv_exchange == 'ring' else f' kv_exchange={self.kv_exchange}'}")
 
 
 def random_documents(seq_len: int, seed: int, multiple: int = 1) -> tuple[int, ...]:
@@ -117,6 +119,10 @@ def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.
     common = dict(causal=case.causal, layout=case.layout, backend=case.backend, cu_seqlens=cu_seqlens, sinks=sinks)
     if case.window is not None:
         common["sliding_window"] = case.window
+    if case.kv_exchange != "ring":
+        if case.mode == "ulysses":
+            raise ValueError(f"{case.label()}: ulysses_attention has no ring group (kv_exchange)")
+        common["kv_exchange"] = case.kv_exchange
     if case.mode == "ring":
         return ring_sp.ring_attention(q, k, v, return_lse=True, **common)
     if case.mode == "ulysses":

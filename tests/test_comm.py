@@ -14,14 +14,15 @@ from ring_sp.planner import layer_bytes  # DESIGN section 5 as implemented; test
 
 # isend/irecv are not wrapped: P2POp checks them by identity (batch_isend_irecv counts them)
 _COLLECTIVES = ("batch_isend_irecv", "send", "recv", "all_to_all_single", "all_to_all",
-                "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier")
+                "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "barrier",
+                "all_gather_single", "reduce_scatter_single")
 
 
 @contextlib.contextmanager
 def _count_torch_collectives():
     """Count every torch.distributed collective called, whoever calls it."""
     counts: Counter[str] = Counter()
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
 
     def wrap(name, fn):
         def counted(*args, **kwargs):

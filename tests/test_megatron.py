@@ -467,6 +467,8 @@ def test_switch_is_off_by_default_and_builds_the_config() -> None:
     config = rsm.validate_ring_sp_args(_parse("--ring-sp", "--ring-sp-ulysses-size", "2", "--ring-sp-backend", "torch"))
     assert config == rsm.RingSPConfig(ulysses_size=2, layout="zigzag", placement="ulysses_inner", backend="torch")
     assert config.ring_size(4) == 2
+    gathered = rsm.validate_ring_sp_args(_parse("--ring-sp", "--ring-sp-kv-exchange", "all_gather"))
+    assert gathered.kv_exchange == "all_gather" and config.kv_exchange == "ring"
     assert rsm.validate_ring_sp_args(_parse("--no-ring-sp", "--ring-sp-ulysses-size", "3")) is None
 
 
@@ -476,6 +478,7 @@ def test_switch_is_off_by_default_and_builds_the_config() -> None:
     (["--ring-sp-layout", "diagonal"], r"argument --ring-sp-layout: invalid choice: 'diagonal'"),
     (["--ring-sp-placement", "inner"], r"argument --ring-sp-placement: invalid choice: 'inner'"),
     (["--ring-sp-backend", "cuda"], r"argument --ring-sp-backend: invalid choice: 'cuda'"),
+    (["--ring-sp-kv-exchange", "gather"], r"argument --ring-sp-kv-exchange: invalid choice: 'gather'"),
 ])
 def test_bad_values_are_refused_by_argparse_naming_the_argument(capsys, argv: list[str], message: str) -> None:
     with pytest.raises(SystemExit):

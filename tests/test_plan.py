@@ -133,10 +133,12 @@ def test_cli_prints_the_plan(capsys) -> None:
     assert main(["plan", *ARGS]) == 0
     out = capsys.readouterr().out
     assert "recommended: U=8 x R=4, placement ulysses_inner, layout zigzag" in out
-    assert "| 1 x 32 | ulysses_inner | zigzag | - | inter | 4096 | NO/NO (>= 4945/5934)" in out
+    assert "| 1 x 32 | ulysses_inner | zigzag | ring | - | inter | 4096 | NO/NO (>= 4945/5934)" in out
     assert main([*ARGS, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["recommended"]["ulysses"] == 8 and len(data["candidates"]) == 10
+    assert data["recommended"]["ulysses"] == 8 and data["recommended"]["kv_exchange"] == "ring"
+    # every grid with a ring is also modelled gathering its KV (--kv-exchange auto)
+    assert [len([c for c in data["candidates"] if c["kv_exchange"] == x]) for x in ("ring", "all_gather")] == [10, 9]
 
 
 def test_cli_refuses_an_impossible_request(capsys) -> None:

@@ -163,13 +163,14 @@ def _errors(ref_logits, gathered, shard, batch, ref_loss, loss, ref_grads, grads
 
 
 def equivalence_case(arch: str, u: int, r: int, packed: bool, dtype_name: str = "fp32", how: str = "from_config",
-                     rows: int = 2, seq: int = 32, docs: tuple[int, ...] = DOCS, **config_overrides: Any) -> dict[str, Any]:
+                     rows: int = 2, seq: int = 32, docs: tuple[int, ...] = DOCS, kv_exchange: str = "ring",
+                     **config_overrides: Any) -> dict[str, Any]:
     """SP model vs the same model with sdpa (eager for sinks) on one rank (see the module docstring)."""
     import dist_cases
     import ring_sp.integrations.transformers as rsp_hf
 
     topo = dist_cases.topology(u, r)
-    assert rsp_hf.register(topo, layout="zigzag") == "ring_sp"
+    assert rsp_hf.register(topo, layout="zigzag", kv_exchange=kv_exchange) == "ring_sp"
     batch = _global_batch(packed, rows=rows, seq=seq, docs=docs)
     if dtype_name == "fp32":
         reference, model = _models(arch, torch.float32, how, **config_overrides)
@@ -335,6 +336,11 @@ def _check_fp32(results: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("u,r", GRID4, ids=[f"U{u}xR{r}" for u, r in GRID4])
 def test_llama_gqa_fp32(pools, u: int, r: int, packed: bool) -> None:
     _check_fp32(pools.get(4).run(equivalence_case, "llama", u, r, packed, timeout=300))
+
+
+def test_llama_gqa_all_gather_kv_fp32(pools) -> None:
+    """register(kv_exchange="all_gather"): every layer's ring group gathers its KV (packed, U2xR2)."""
+    _check_fp32(pools.get(4).run(equivalence_case, "llama", 2, 2, True, kv_exchange="all_gather", timeout=300))
 
 
 @pytest.mark.parametrize("arch,u,r,packed,how", [

@@ -3,7 +3,7 @@
 Example section (every key optional; defaults shown in :class:`RingSPConfig`)::
 
     "ring_sp": {"ulysses_size": 2, "ring_size": 4, "layout": "zigzag",
-                "placement": "ulysses_inner", "backend": "auto"}
+                "placement": "ulysses_inner", "backend": "auto", "kv_exchange": "ring"}
 
 Everything here is pure Python (no DeepSpeed import, no communication), so every rank can
 check the section before the first collective, and errors name the key and the fix.
@@ -20,6 +20,7 @@ from typing import Any
 
 from ring_sp import LAYOUTS, PLACEMENTS
 from ring_sp.kernels import BACKENDS
+from ring_sp.validation import KV_EXCHANGES
 
 SECTION = "ring_sp"
 _SP_KEY = "sequence_parallel_size"  # DeepSpeed's own key: must equal ulysses_size * ring_size
@@ -39,7 +40,9 @@ class RingSPConfig:
     ``layout`` is how a global sequence is split over it (``topology.shard_batch`` and the
     attention must agree); ``placement`` whether a Ulysses group (``ulysses_inner``) or a
     ring (``ring_inner``) is made of consecutive ranks; ``backend`` the local attention
-    kernel; ``enabled: false`` keeps the section but turns ring_sp off.
+    kernel; ``kv_exchange`` how a ring group exchanges KV (``ring``, ``all_gather`` or
+    ``auto``: see :func:`ring_sp.ring_attention`); ``enabled: false`` keeps the section but
+    turns ring_sp off.
     """
 
     ulysses_size: int = 1
@@ -47,6 +50,7 @@ class RingSPConfig:
     layout: str = "zigzag"
     placement: str = "ulysses_inner"
     backend: str = "auto"
+    kv_exchange: str = "ring"
     enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -56,7 +60,8 @@ class RingSPConfig:
                 raise TypeError(f'{SECTION}.{key} must be an integer >= 1; got {_describe(value)}. Write e.g. "{key}": 2')
             if value < 1:
                 raise ValueError(f"{SECTION}.{key}={value} must be >= 1 (1 switches that dimension off)")
-        for key, allowed in (("layout", LAYOUTS), ("placement", PLACEMENTS), ("backend", BACKENDS)):
+        for key, allowed in (("layout", LAYOUTS), ("placement", PLACEMENTS), ("backend", BACKENDS),
+                             ("kv_exchange", KV_EXCHANGES)):
             value = getattr(self, key)
             if not isinstance(value, str):
                 raise TypeError(f"{SECTION}.{key} must be a string, one of {list(allowed)}; got {_describe(value)}")

@@ -89,7 +89,7 @@ def _model_topology(model: torch.nn.Module, sp: RingSPConfig) -> SequenceParalle
             f"with build_topology(ds_config) and pass it to every module"
         )
     for name, module in modules:
-        for key in ("layout", "backend"):
+        for key in ("layout", "backend", "kv_exchange"):
             if getattr(module, key) != getattr(sp, key):
                 raise ValueError(
                     f"{SECTION}.{key}={getattr(sp, key)!r} but module {name!r} was built with {key}="

@@ -8,6 +8,7 @@ from typing import Any
 
 from ring_sp.kernels import BACKENDS
 from ring_sp.topology import PLACEMENTS
+from ring_sp.validation import KV_EXCHANGES
 
 from .config import MEGATRON_LAYOUTS, RingSPConfig, unpacked_layout
 
@@ -43,6 +44,9 @@ def add_ring_sp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="ulysses_inner: each Ulysses group on neighbouring CP ranks (default)")
     group.add_argument("--ring-sp-backend", choices=BACKENDS, default="auto",
                        help="local attention kernel (default auto: flash_attn or torch on CUDA, torch on CPU)")
+    group.add_argument("--ring-sp-kv-exchange", choices=KV_EXCHANGES, default="ring",
+                       help="how a ring group exchanges KV: ring (default), all_gather (gather once, reduce-scatter "
+                            "dK/dV) or auto (the planner's choice per call)")
     return parser
 
 
@@ -94,6 +98,7 @@ def ring_sp_config_from_args(args: argparse.Namespace, *, rope_follows_layout: b
     config = RingSPConfig(
         ulysses_size=_flag(args, "ring_sp_ulysses_size", 1), layout=_flag(args, "ring_sp_layout", "zigzag"),
         placement=_flag(args, "ring_sp_placement", "ulysses_inner"), backend=_flag(args, "ring_sp_backend", "auto"),
+        kv_exchange=_flag(args, "ring_sp_kv_exchange", "ring"),
     )
     config.check(
         context_parallel_size=_flag(args, "context_parallel_size", 1),

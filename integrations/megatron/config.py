@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ring_sp.kernels import BACKENDS
 from ring_sp.topology import PLACEMENTS
+from ring_sp.validation import KV_EXCHANGES
 
 # document_zigzag is how Megatron shards packed (THD) batches; a batch without documents is
 # one document, for which it is plain zigzag.
@@ -36,13 +37,15 @@ class RingSPConfig:
     is how the sequence is split over the context-parallel ranks: ``zigzag`` is what
     Megatron's ``get_batch_on_this_cp_rank`` and its RoPE slicing produce, and
     ``document_zigzag`` what its packed-sequence (THD) sharding produces, the same as
-    ``zigzag`` for batches without documents.
+    ``zigzag`` for batches without documents. ``kv_exchange``: how a ring group exchanges
+    KV (``ring``, ``all_gather`` or ``auto``; see :func:`ring_sp.ring_attention`).
     """
 
     ulysses_size: int = 1
     layout: str = "zigzag"
     placement: str = "ulysses_inner"
     backend: str = "auto"
+    kv_exchange: str = "ring"
 
     def __post_init__(self) -> None:
         if isinstance(self.ulysses_size, bool) or not isinstance(self.ulysses_size, int) or self.ulysses_size < 1:
@@ -51,6 +54,7 @@ class RingSPConfig:
             ("--ring-sp-layout", "layout", self.layout, MEGATRON_LAYOUTS),
             ("--ring-sp-placement", "placement", self.placement, PLACEMENTS),
             ("--ring-sp-backend", "backend", self.backend, BACKENDS),
+            ("--ring-sp-kv-exchange", "kv_exchange", self.kv_exchange, KV_EXCHANGES),
         ):
             if value not in allowed:
                 raise ValueError(f"{flag} ({field})={value!r} is not one of {allowed}")

@@ -204,7 +204,8 @@ class RingSPCoreAttention(MegatronModule):
             layout = unpacked_layout(layout)
         out = hybrid_attention(q, k, v, topology=self.topology, causal=causal, layout=layout,
                                softmax_scale=self.softmax_scale, backend=self.ring_sp_config.backend,
-                               cu_seqlens=cu_seqlens, sinks=self.softmax_offset, sliding_window=self.sliding_window)
+                               cu_seqlens=cu_seqlens, sinks=self.softmax_offset, sliding_window=self.sliding_window,
+                               kv_exchange=self.ring_sp_config.kv_exchange)
         return out.reshape(q.shape[1], -1) if thd else out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
     @staticmethod
@@ -224,4 +225,4 @@ class RingSPCoreAttention(MegatronModule):
         t = self.topology
         window = "" if self.sliding_window is None else f", sliding_window={self.sliding_window}"
         return (f"ulysses={t.ulysses_size}, ring={t.ring_size}, layout={self.ring_sp_config.layout!r}, "
-                f"backend={self.ring_sp_config.backend!r}{window}")
+                f"backend={self.ring_sp_config.backend!r}, kv_exchange={self.ring_sp_config.kv_exchange!r}{window}")

@@ -26,7 +26,7 @@ import torch
 from ring_sp import SequenceParallelTopology, hybrid_attention
 from ring_sp.layouts import Boundaries, as_boundaries, check_grid_layout
 from ring_sp.integrations.versions import require_supported
-from ring_sp.validation import check_options
+from ring_sp.validation import check_kv_exchange, check_options
 
 from .features import check_mask_call, check_model_config, check_positions, model_name, ring_sp_call_options
 
@@ -40,6 +40,7 @@ class Registration:
     topology: SequenceParallelTopology
     layout: str
     backend: str
+    kv_exchange: str = "ring"
 
 
 class RingSPAttention:
@@ -73,7 +74,7 @@ class RingSPAttention:
             check_positions(positions, options["layout"], reg.topology.sp_size, model_name(getattr(module, "config", None)))
             self._checked = (positions, positions._version)  # every layer gets the same tensor: once per forward
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [b, h, n, d] -> ring_sp [b, n, h, d]
-        return hybrid_attention(q, k, v, topology=reg.topology, **options), None
+        return hybrid_attention(q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, **options), None
 
     def mask(self, *, attention_mask: torch.Tensor | None = None, q_length: int = 0, kv_length: int = 0,
              q_offset: Any = 0, config: Any = None, **_: Any) -> None:
@@ -83,7 +84,8 @@ class RingSPAttention:
         return None
 
 
-def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", backend: str = "auto") -> str:
+def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", backend: str = "auto",
+             kv_exchange: str = "ring") -> str:
     """Register ring_sp with transformers; returns ``"ring_sp"`` for ``attn_implementation=``.
 
     Afterwards ``AutoModelForCausalLM.from_config(cfg, attn_implementation="ring_sp")``,
@@ -92,8 +94,10 @@ def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", back
     ``topology``'s ``U x R`` grid. ``layout``: how batches are sharded
     (:func:`ring_sp.integrations.transformers.shard_batch` with the same ``layout``; packed
     documents turn ``zigzag`` into ``document_zigzag`` on both sides). ``backend``: the
-    local kernel (``ring_sp.kernels.BACKENDS``). No communication. Raises when the installed
-    transformers is outside the supported range (``ring_sp.integrations.versions``).
+    local kernel (``ring_sp.kernels.BACKENDS``). ``kv_exchange``: the ring groups' KV
+    exchange (``ring``, ``all_gather`` or ``auto``; see :func:`ring_sp.ring_attention`).
+    No communication. Raises when the installed transformers is outside the supported range
+    (``ring_sp.integrations.versions``).
     """
     require_supported("transformers", "ring_sp.integrations.transformers.register")
     if not isinstance(topology, SequenceParallelTopology):
@@ -103,10 +107,11 @@ def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", back
         )
     check_options(causal=True, layout=layout, softmax_scale=None, backend=backend)
     check_grid_layout(layout, topology.ulysses_size, topology.ring_size)
+    check_kv_exchange(kv_exchange)
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    attention = RingSPAttention(Registration(topology, layout, backend))
+    attention = RingSPAttention(Registration(topology, layout, backend, kv_exchange))
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, attention.mask)
     return ATTN_IMPLEMENTATION

@@ -89,7 +89,7 @@ def prepare_sequence_parallel(args: TrainingArguments) -> SequenceParallelTopolo
         return None
     args.device  # noqa: B018 -- sets up torch.distributed through accelerate/DeepSpeed as the Trainer will
     topology = rsp_ds.build_topology(sp)
-    register(topology, layout=sp.layout, backend=sp.backend)
+    register(topology, layout=sp.layout, backend=sp.backend, kv_exchange=sp.kv_exchange)
     return topology
 
 

@@ -61,24 +61,36 @@ def _interface() -> ModuleType | str:
     return flash_attn_interface
 
 
-def unavailable_reason(dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None) -> str | None:
-    """Why flash-attn cannot run ``dtype``/``head_dim`` on the current GPU, or None.
-    ``value_head_dim`` (None = ``head_dim``): flash-attn 2's kernels take one head size for
-    q, k and v; a different value head size (MLA) is refused here rather than padded."""
+def unavailable_reason(dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None,
+                       device: torch.device | None = None) -> str | None:
+    """Why flash-attn cannot run ``dtype``/``head_dim`` tensors on ``device`` (None: the current
+    GPU), or None. ``value_head_dim`` (None = ``head_dim``): flash-attn 2's kernels take one head
+    size for q, k and v; a different value head size (MLA) is refused here rather than padded."""
     interface = _interface()
     if isinstance(interface, str):
         return interface
     if value_head_dim is not None and value_head_dim != head_dim:
         return (f"flash-attn's low-level entry points need the value head size equal to the q/k head size; "
                 f"got head_dim={head_dim}, value head_dim={value_head_dim} (MLA)")
-    if not torch.cuda.is_available():
-        return "CUDA is not available here (torch.cuda.is_available() is False)"
+    reason = _device_reason(device)
+    if reason is not None:
+        return reason
     if dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attn takes float16 or bfloat16, not {dtype}"
     if head_dim % 8 or not 0 < head_dim <= 256:
         # its low-level entry points require a multiple of 8 (only the autograd wrappers pad)
         return f"flash-attn needs head_dim a multiple of 8 and <= 256; got {head_dim}"
-    major, minor = torch.cuda.get_device_capability()
+    return None
+
+
+def _device_reason(device: torch.device | None) -> str | None:
+    """Why flash-attn's kernels cannot run on ``device`` (None: the current GPU), or None: the
+    one hardware gate (tests/flash_attn_double.py replaces only this to run its CPU double)."""
+    if device is not None and device.type != "cuda":
+        return f"backend='flash_attn' needs CUDA tensors; got device {device}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available here (torch.cuda.is_available() is False)"
+    major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         return f"flash-attn needs an Ampere (sm80) or newer GPU; this one is sm{major}{minor}"
     return None

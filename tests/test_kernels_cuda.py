@@ -20,7 +20,7 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from oracle import GRAD_TOL, LSE_ATOL, OUT_TOL, Tolerance, assert_close, assert_lse_close, oracle_results
+from oracle import GRAD_TOL, LSE_ATOL, OUT_TOL, assert_close, assert_lse_close, oracle_results
 from ring_sp.kernels import flash_attn as fa_backend
 from ring_sp.kernels import torch_cuda
 from ring_sp.kernels.flash_attn import FlashAttnKernel
@@ -28,22 +28,6 @@ from ring_sp.kernels.torch_cuda import TorchCUDAKernel
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
-
-# TESTING.md: fp16 (CUDA only) atol = rtol = 5e-3; oracle.py has no fp16 entry.
-_FP16 = Tolerance(5e-3, 5e-3)
-
-
-def _out_tol(dtype: torch.dtype) -> Tolerance:
-    return _FP16 if dtype == torch.float16 else OUT_TOL[dtype]
-
-
-def _grad_tol(dtype: torch.dtype) -> Tolerance:
-    return _FP16 if dtype == torch.float16 else GRAD_TOL[dtype]
-
-
-def _lse_atol(dtype: torch.dtype) -> float:
-    return LSE_ATOL[torch.bfloat16 if dtype == torch.float16 else dtype]
-
 
 # ---------------------------------------------------------------------------------------------
 # CUDA: every backend against the float64 oracle
@@ -85,7 +69,7 @@ def _inputs(seq_q: int, seq_k: int, h: int, h_kv: int, d: int, dtype: torch.dtyp
 def _check_grads(grads: tuple[torch.Tensor, ...], want: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     for got, name in zip(grads, ("dq", "dk", "dv")):
         assert got.shape == want[name].shape, name
-        assert_close(name, got, want[name], _grad_tol(dtype))
+        assert_close(name, got, want[name], GRAD_TOL[dtype])
 
 
 @needs_cuda
@@ -109,8 +93,8 @@ def test_block_matches_oracle(
     out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
     assert out.dtype == dtype and out.shape == q.shape
     assert lse.dtype == torch.float32 and lse.shape == (2, h, seq)
-    assert_close("out", out, want["out"], _out_tol(dtype))
-    assert_lse_close("lse", lse, want["lse"], _lse_atol(dtype))
+    assert_close("out", out, want["out"], OUT_TOL[dtype])
+    assert_lse_close("lse", lse, want["lse"], LSE_ATOL[dtype])
 
     grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     assert all(g.dtype == dtype for g in grads)
@@ -142,8 +126,8 @@ def test_two_key_blocks_with_global_statistics(
     parts = [kernel.forward(q, k[:, s], v[:, s], causal=c, scale=scale) for s, c in blocks]
     lse = torch.logaddexp(parts[0][1], parts[1][1])  # the ring's merge (DESIGN section 4), in fp32
     out = sum(o.float() * torch.exp(l - lse).transpose(1, 2).unsqueeze(-1) for o, l in parts).to(dtype)
-    assert_close("merged out", out, want["out"], _out_tol(dtype))
-    assert_lse_close("merged lse", lse, want["lse"], _lse_atol(dtype))
+    assert_close("merged out", out, want["out"], OUT_TOL[dtype])
+    assert_lse_close("merged lse", lse, want["lse"], LSE_ATOL[dtype])
 
     lse = lse.transpose(1, 2).contiguous().transpose(1, 2)  # a non-contiguous global lse, as a ring may hold
     grads = [kernel.backward(dout, q, k[:, s], v[:, s], out, lse, causal=c, scale=scale) for s, c in blocks]
@@ -168,8 +152,8 @@ def test_value_head_size_runs_on_the_efficient_op(dtype: torch.dtype, causal: bo
     kernel = TorchCUDAKernel()
     out, lse = kernel.forward(q, k, v, causal=causal, scale=0.125)
     assert out.shape == (2, 33, 8, d_v)
-    assert_close("out", out, want["out"], _out_tol(dtype))
-    assert_lse_close("lse", lse, want["lse"], _lse_atol(dtype))
+    assert_close("out", out, want["out"], OUT_TOL[dtype])
+    assert_lse_close("lse", lse, want["lse"], LSE_ATOL[dtype])
     _check_grads(kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=0.125), want, dtype)
 
 

@@ -44,6 +44,7 @@ the GEMMs (the double is slightly more accurate than the real kernel, never less
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import sys
@@ -300,8 +301,9 @@ def _v26() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return _flash_attn_forward, _flash_attn_backward
 
 
-# 2.7+: torch.library.custom_op, as upstream (device "cpu" here, "cuda" there); registered once per process.
-@torch.library.custom_op("ring_sp_fa_double::_flash_attn_forward", mutates_args=(), device_types="cpu")
+# 2.7+: upstream wraps these in torch.library.custom_op on torch >= 2.4 (plain functions before);
+# the custom ops are made on first use: their first call imports torch._dynamo (seconds), which
+# the pool ranks skip by taking the plain form (custom_op=False).
 def _fa27_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float, causal: bool,
     window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
@@ -311,8 +313,6 @@ def _fa27_forward(
                     alibi_slopes, return_softmax)
 
 
-@torch.library.custom_op("ring_sp_fa_double::_flash_attn_backward", mutates_args=("dq", "dk", "dv"),
-                         device_types="cpu")
 def _fa27_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
@@ -323,16 +323,29 @@ def _fa27_backward(
                      (window_size_left, window_size_right), softcap, alibi_slopes)[3]
 
 
+@functools.lru_cache(maxsize=None)
+def _v27_custom_ops() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The 2.7 entry points as torch.library.custom_op (device "cpu" here, "cuda" upstream), once per process."""
+    forward = torch.library.custom_op("ring_sp_fa_double::_flash_attn_forward", mutates_args=(),
+                                      device_types="cpu")(_fa27_forward)
+    backward = torch.library.custom_op("ring_sp_fa_double::_flash_attn_backward", mutates_args=("dq", "dk", "dv"),
+                                       device_types="cpu")(_fa27_backward)
+    return forward, backward
+
+
 _ENTRY_POINTS: dict[str, Callable[[], tuple[Callable[..., Any], Callable[..., Any]]]] = {
     "2.0": lambda: _v20("2.0"), "2.1": lambda: _v20("2.1"), "2.3": _v23, "2.4.0": _v240, "2.4.1": _v241, "2.6": _v26,
-    "2.7": lambda: (_fa27_forward, _fa27_backward),
+    "2.7": _v27_custom_ops,
 }
 
 
-def interface(release: str) -> ModuleType:
-    """A ``flash_attn.flash_attn_interface`` module of ``release`` (a key of ``RELEASES``)."""
+def interface(release: str, custom_op: bool = True) -> ModuleType:
+    """A ``flash_attn.flash_attn_interface`` module of ``release`` (a key of ``RELEASES``);
+    ``custom_op=False``: 2.7's entry points as the plain functions (upstream on torch < 2.4)."""
     module = ModuleType("flash_attn.flash_attn_interface")
-    module._flash_attn_forward, module._flash_attn_backward = _ENTRY_POINTS[release]()  # type: ignore[attr-defined]
+    plain = release == "2.7" and not custom_op
+    entry_points = (_fa27_forward, _fa27_backward) if plain else _ENTRY_POINTS[release]()
+    module._flash_attn_forward, module._flash_attn_backward = entry_points  # type: ignore[attr-defined]
     return module
 
 
@@ -342,16 +355,16 @@ def parameters(fn: Callable[..., Any]) -> list[str]:
 
 
 @contextlib.contextmanager
-def installed(release: str) -> Iterator[ModuleType]:
+def installed(release: str, custom_op: bool = True) -> Iterator[ModuleType]:
     """``flash_attn`` (version ``RELEASES[release]``) importable as the double, and ring_sp's
     hardware gate open for CPU tensors; everything restored on exit. Works in any process
-    (the pool ranks install it in their own)."""
+    (the pool ranks install it in their own). ``custom_op``: see :func:`interface`."""
     from ring_sp.kernels import flash_attn as backend
 
     package = ModuleType("flash_attn")
     package.__path__ = []  # a package, as far as the import system cares
     package.__version__ = RELEASES[release]  # type: ignore[attr-defined]
-    package.flash_attn_interface = interface(release)  # type: ignore[attr-defined]
+    package.flash_attn_interface = interface(release, custom_op)  # type: ignore[attr-defined]
     names = {"flash_attn": package, "flash_attn.flash_attn_interface": package.flash_attn_interface}
     saved = {name: sys.modules.get(name) for name in names}
     gate = backend._device_reason
@@ -371,6 +384,7 @@ def installed(release: str) -> Iterator[ModuleType]:
 
 
 def run_installed(release: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` with the double of ``release`` installed (a pool case function)."""
-    with installed(release):
+    """``fn(*args, **kwargs)`` with the double of ``release`` installed (a pool case function;
+    2.7 as plain functions: the custom ops' signature handling is tested in one process)."""
+    with installed(release, custom_op=False):
         return fn(*args, **kwargs)

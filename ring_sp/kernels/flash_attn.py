@@ -109,7 +109,9 @@ _FIXED = dict(
 )
 
 
+@functools.lru_cache(maxsize=None)
 def _params(fn: Callable[..., Any]) -> Any:
+    # Once per entry point: inspect.signature costs more host time than a small block's kernel.
     # torch.library.custom_op (FA2 >= 2.7 on torch >= 2.4, newest FA3) keeps the Python function in _init_fn
     return inspect.signature(getattr(fn, "_init_fn", fn)).parameters
 

@@ -257,30 +257,32 @@ def test_backend_refuses_what_flash_attn_cannot_run_even_with_the_double() -> No
 
 def _dist_cases(world_size: int, dtypes: tuple[str, ...], full: bool) -> list[AttnCase]:
     """On ``world_size`` ranks: the ring over every layout (causal and not, GQA), windows, packed
-    documents, sinks; Ulysses and (at 4 ranks) the 2x2 grid. ``full``: every combination."""
+    documents (with a window too), sinks; Ulysses and (at 4 ranks) the 2x2 grid. ``full``: every
+    combination; else one case per feature, the layouts and head ratios rotated through."""
     dt = itertools.cycle(dtypes)
-    common = dict(backend="flash_attn", d=16)
     layouts = ("contiguous", "zigzag", "striped")
-    cases = []
-    for layout, causal, (h, h_kv) in itertools.product(layouts, (True, False), ((4, 4), (4, 1), (8, 2))):
-        if full or (h, h_kv) == ((4, 1) if causal else (8, 2)):
-            cases.append(AttnCase("ring", layout, causal, 2, 6, h, h_kv, dtype=next(dt), seed=len(cases), ring=world_size,
-                                  **common))
-    for layout, window in itertools.product(layouts, (1, 3, 8) if full else (3,)):
-        cases.append(AttnCase("ring", layout, True, 1, 8, 4, 2, dtype=next(dt), seed=len(cases), ring=world_size,
-                              window=window, **common))
-    for layout in layouts + ("document_zigzag",) if full else ("zigzag", "document_zigzag"):
-        cases.append(AttnCase("ring", layout, True, 1, 8, 4, 2, dtype=next(dt), seed=len(cases), ring=world_size,
-                              packed=True, window=5 if layout == "contiguous" else None, **common))
-    cases.append(AttnCase("ring", "zigzag", True, 1, 6, 4, 2, dtype=next(dt), seed=len(cases), ring=world_size,
-                          sinks=True, **common))
-    for layout, causal in itertools.product(("zigzag", "striped") if full else ("zigzag",), (True, False)):
-        cases.append(AttnCase("ulysses", layout, causal, 1, 4, 2 * world_size, world_size // 2 or 1, dtype=next(dt),
-                              seed=len(cases), ulysses=world_size, sinks=not causal, **common))
+    heads = ((4, 1), (8, 2), (4, 4))
+    cases: list[AttnCase] = []
+
+    def add(mode: str, layout: str, causal: bool, b: int, n: int, h: int, h_kv: int, **extra) -> None:
+        cases.append(AttnCase(mode, layout, causal, b, n, h, h_kv, 16, next(dt), seed=len(cases),
+                              ring=1 if mode == "ulysses" else (2 if mode == "hybrid" else world_size),
+                              ulysses=world_size if mode == "ulysses" else (2 if mode == "hybrid" else 1),
+                              backend="flash_attn", **extra))
+
+    ring = itertools.product(layouts, (True, False), heads) if full else zip(layouts, (True, False, True), heads)
+    for layout, causal, (h, h_kv) in ring:
+        add("ring", layout, causal, 2, 6, h, h_kv)
+    for layout, window in itertools.product(layouts, (1, 3, 8)) if full else [("striped", 3)]:
+        add("ring", layout, True, 1, 8, 4, 2, window=window)
+    for layout in layouts + ("document_zigzag",) if full else ("contiguous", "document_zigzag"):
+        add("ring", layout, True, 1, 8, 4, 2, packed=True, window=5 if layout == "contiguous" else None)
+    add("ring", "zigzag", True, 1, 6, 4, 2, sinks=True)
+    for layout, causal in itertools.product(("zigzag", "striped"), (True, False)) if full else [("zigzag", False)]:
+        add("ulysses", layout, causal, 1, 4, 2 * world_size, world_size // 2 or 1, sinks=not causal)
     if world_size == 4:
-        for layout, packed in itertools.product(("zigzag", "contiguous") if full else ("zigzag",), (False, True)):
-            cases.append(AttnCase("hybrid", layout, True, 1, 4, 4, 2, dtype=next(dt), seed=len(cases), ulysses=2,
-                                  ring=2, packed=packed, window=3 if packed else None, **common))
+        for layout, packed in itertools.product(("zigzag", "contiguous"), (False, True)) if full else [("zigzag", True)]:
+            add("hybrid", layout, True, 1, 4, 4, 2, packed=packed, window=3 if packed else None)
     return cases
 
 
@@ -296,5 +298,5 @@ def test_distributed_through_the_double(pools, release: str, world_size: int) ->
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("release", RELEASES)
 def test_distributed_through_the_double_sweep(pools, release: str, world_size: int) -> None:
-    cases = [c for c in _dist_cases(world_size, ("bf16", "fp16"), full=True) if c.mode == "ring" or world_size != 3]
+    cases = _dist_cases(world_size, ("bf16", "fp16"), full=True)
     pools.get(world_size).run(run_installed, release, check_attention_cases, cases, timeout=900)

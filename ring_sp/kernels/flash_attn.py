@@ -11,20 +11,23 @@ square blocks the contract allows.
 Signatures of ``_flash_attn_forward`` / ``_flash_attn_backward`` by release:
 
 =============  ==================================================================================
-FA2 2.1-2.2    fwd(q, k, v, dropout_p, softmax_scale, causal, return_softmax)
+FA2 2.0-2.2    fwd(q, k, v, dropout_p, softmax_scale, causal, return_softmax)
                bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-               rng_state=None)
+               rng_state=None); 2.0 aligns causal masks top-left (same result on square blocks)
 FA2 2.3        both + window_size=(left, right) after causal
-FA2 2.4-2.5    both + alibi_slopes; bwd + deterministic
+FA2 2.4.0      both + alibi_slopes
+FA2 2.4.1-2.5  bwd + deterministic
 FA2 2.6        both + softcap
-FA2 >= 2.7     window_size -> window_size_left, window_size_right; torch custom ops
+FA2 2.7-2.8    window_size -> window_size_left, window_size_right; torch custom ops
 FA3 (hopper)   many optional inputs (k_new, qv, cu_seqlens_*, page_table, ...), no dropout/alibi;
                the bwd flag is ``causal`` or (newest) ``is_causal``
 =============  ==================================================================================
 
 The forward returns (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state) before FA2 2.7
 and (out, softmax_lse, ...) from FA2 2.7 and in FA3. ``_forward`` and ``_backward`` below hold
-every one of these differences.
+every one of these differences. A row that sees no key would get lse = +inf (not our -inf); the
+blocks the ring issues always contain their diagonal, so none occurs. Every FA2 signature runs
+on CPU through the double in tests/flash_attn_double.py.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ Three layers, each against the float64 autograd oracle of oracle.py (explicit ma
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 
@@ -202,7 +203,9 @@ def _interface(release: str):
 def test_backend_blocks_match_the_oracle(release: str, dtype: torch.dtype) -> None:
     """One block (causal and not, GQA) fed its own statistics; two key blocks merged and fed the
     GLOBAL out/lse (strided, as the ring holds it); window bands and edge blocks where supported."""
-    with installed(release):
+    with installed(release) as fa:
+        if release == "2.7":  # custom ops hide the Python signature: the shim must find it in _init_fn
+            assert "softmax_scale" not in inspect.signature(fa._flash_attn_forward).parameters
         kernel = get_kernel("flash_attn", CPU, dtype, 16)
         assert kernel.name == "flash_attn" and kernel.supports_window == (release in WINDOWED)
         for causal, (h, h_kv) in itertools.product((False, True), ((4, 4), (8, 2))):

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -377,46 +377,3 @@ def test_flash_attn_shim_calls_each_release_correctly(release: str, monkeypatch:
     _check_call(args, {"dout": out_, "q": q, "k": k, "v": v, "out": out_, "softmax_lse": args["softmax_lse"]})
     assert dk.shape == k.shape and dk.dtype == k.dtype  # h_kv heads, input dtype
     assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()  # the buffers the fake wrote
-
-
-# flash-attn >= 2.7 wraps its entry points in torch.library.custom_op (on torch >= 2.4), which hides
-# the Python signature; the shim must still find it. Same parameters as 2.7's, on CPU.
-_CUSTOM_CALLS: list[dict[str, Any]] = []
-
-
-@torch.library.custom_op("ring_sp_test::fa27_forward", mutates_args=(), device_types="cpu")
-def _fa27_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float, causal: bool,
-    window_size_left: int, window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor],
-    return_softmax: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _CUSTOM_CALLS.append(dict(dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                              window_size_left=window_size_left, window_size_right=window_size_right,
-                              softcap=softcap, alibi_slopes=alibi_slopes, return_softmax=return_softmax))
-    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
-    return q.clone(), lse, torch.empty(0), torch.empty(2, dtype=torch.long)
-
-
-@torch.library.custom_op("ring_sp_test::fa27_backward", mutates_args=("dq", "dk", "dv"), device_types="cpu")
-def _fa27_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    softmax_lse: torch.Tensor, dq: Optional[torch.Tensor], dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
-    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
-    softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool, rng_state: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    _CUSTOM_CALLS.append(dict(causal=causal, deterministic=deterministic, rng_state=rng_state))
-    _fill_grads({"dq": dq, "dk": dk, "dv": dv})
-    return torch.empty(0)
-
-
-def test_flash_attn_shim_finds_the_signature_of_custom_ops(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = SimpleNamespace(_flash_attn_forward=_fa27_forward, _flash_attn_backward=_fa27_backward)
-    monkeypatch.setattr(fa_backend, "_interface", lambda: fake)
-    _CUSTOM_CALLS.clear()
-    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
-    out, lse = FlashAttnKernel().forward(q, k, k, causal=True, scale=0.125)
-    assert torch.equal(out, q) and lse.shape == (2, 4, 5)
-    assert _CUSTOM_CALLS[0] == {name: _EXPECTED.get(name) for name in _CUSTOM_CALLS[0]}
-    dq, dk, dv = FlashAttnKernel().backward(q, q, k, k, out, lse, causal=True, scale=0.125)
-    assert _CUSTOM_CALLS[1] == {"causal": True, "deterministic": False, "rng_state": None}
-    assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()

@@ -161,7 +161,8 @@ def _rounds_partials(case: AttnCase, inputs: dict[str, torch.Tensor]) -> bool:
 
 
 def check_attention_case(case: AttnCase) -> dict[str, float]:
-    """Run one case on this rank; returns max abs errors of its shard vs the oracle."""
+    """Run one case on this rank; returns max abs errors of its shard vs the oracle (and, for
+    bf16/fp16/fp32, "<name> of bound": each error over the ratio rule's bound)."""
     sp_rank, sp_size, dp_rank = _sp_coordinates(case)
     dtype = DTYPES[case.dtype]
     inputs = make_inputs(case.seed * 1000 + dp_rank, case.b, case.n_local * sp_size, case.h, case.h_kv, case.d, dtype,
@@ -204,6 +205,7 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
                 continue
             own = max_abs_error(shard(single[name]), shard(expected[name]))
             floor = roundings * RATIO_FLOOR[dtype] * max(1.0, expected[name].abs().max().item())
+            errors[f"{name} of bound"] = errors[name] / (2 * own + floor)  # the share of the rule's bound used
             if errors[name] > 2 * own + floor:
                 raise AssertionError(
                     f"{case.label()} {name}: error {errors[name]:.3e} > 2 x single-device {own:.3e} + floor {floor:.1e}"

@@ -45,11 +45,9 @@ def unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype, h
             return torch_cuda.unavailable_reason(dtype, head_dim, d_v)
         return f"backend='torch' has no fused attention op with logsumexp for device type {device.type!r}"
     if backend == "flash_attn":
-        if device.type != "cuda":
-            return f"backend='flash_attn' needs CUDA tensors; got device {device}"
         from . import flash_attn
 
-        return flash_attn.unavailable_reason(dtype, head_dim, d_v)
+        return flash_attn.unavailable_reason(dtype, head_dim, d_v, device)
     raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
 
 

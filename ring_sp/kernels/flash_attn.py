@@ -11,20 +11,23 @@ square blocks the contract allows.
 Signatures of ``_flash_attn_forward`` / ``_flash_attn_backward`` by release:
 
 =============  ==================================================================================
-FA2 2.1-2.2    fwd(q, k, v, dropout_p, softmax_scale, causal, return_softmax)
+FA2 2.0-2.2    fwd(q, k, v, dropout_p, softmax_scale, causal, return_softmax)
                bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-               rng_state=None)
+               rng_state=None); 2.0 aligns causal masks top-left (same result on square blocks)
 FA2 2.3        both + window_size=(left, right) after causal
-FA2 2.4-2.5    both + alibi_slopes; bwd + deterministic
+FA2 2.4.0      both + alibi_slopes
+FA2 2.4.1-2.5  bwd + deterministic
 FA2 2.6        both + softcap
-FA2 >= 2.7     window_size -> window_size_left, window_size_right; torch custom ops
+FA2 2.7-2.8    window_size -> window_size_left, window_size_right; torch custom ops
 FA3 (hopper)   many optional inputs (k_new, qv, cu_seqlens_*, page_table, ...), no dropout/alibi;
                the bwd flag is ``causal`` or (newest) ``is_causal``
 =============  ==================================================================================
 
 The forward returns (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state) before FA2 2.7
 and (out, softmax_lse, ...) from FA2 2.7 and in FA3. ``_forward`` and ``_backward`` below hold
-every one of these differences.
+every one of these differences. A row that sees no key would get lse = +inf (not our -inf); the
+blocks the ring issues always contain their diagonal, so none occurs. Every FA2 signature runs
+on CPU through the double in tests/flash_attn_double.py.
 """
 
 from __future__ import annotations
@@ -61,24 +64,36 @@ def _interface() -> ModuleType | str:
     return flash_attn_interface
 
 
-def unavailable_reason(dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None) -> str | None:
-    """Why flash-attn cannot run ``dtype``/``head_dim`` on the current GPU, or None.
-    ``value_head_dim`` (None = ``head_dim``): flash-attn 2's kernels take one head size for
-    q, k and v; a different value head size (MLA) is refused here rather than padded."""
+def unavailable_reason(dtype: torch.dtype, head_dim: int, value_head_dim: int | None = None,
+                       device: torch.device | None = None) -> str | None:
+    """Why flash-attn cannot run ``dtype``/``head_dim`` tensors on ``device`` (None: the current
+    GPU), or None. ``value_head_dim`` (None = ``head_dim``): flash-attn 2's kernels take one head
+    size for q, k and v; a different value head size (MLA) is refused here rather than padded."""
     interface = _interface()
     if isinstance(interface, str):
         return interface
     if value_head_dim is not None and value_head_dim != head_dim:
         return (f"flash-attn's low-level entry points need the value head size equal to the q/k head size; "
                 f"got head_dim={head_dim}, value head_dim={value_head_dim} (MLA)")
-    if not torch.cuda.is_available():
-        return "CUDA is not available here (torch.cuda.is_available() is False)"
+    reason = _device_reason(device)
+    if reason is not None:
+        return reason
     if dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attn takes float16 or bfloat16, not {dtype}"
     if head_dim % 8 or not 0 < head_dim <= 256:
         # its low-level entry points require a multiple of 8 (only the autograd wrappers pad)
         return f"flash-attn needs head_dim a multiple of 8 and <= 256; got {head_dim}"
-    major, minor = torch.cuda.get_device_capability()
+    return None
+
+
+def _device_reason(device: torch.device | None) -> str | None:
+    """Why flash-attn's kernels cannot run on ``device`` (None: the current GPU), or None: the
+    one hardware gate (tests/flash_attn_double.py replaces only this to run its CPU double)."""
+    if device is not None and device.type != "cuda":
+        return f"backend='flash_attn' needs CUDA tensors; got device {device}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available here (torch.cuda.is_available() is False)"
+    major, minor = torch.cuda.get_device_capability(device)
     if major < 8:
         return f"flash-attn needs an Ampere (sm80) or newer GPU; this one is sm{major}{minor}"
     return None
@@ -97,7 +112,9 @@ _FIXED = dict(
 )
 
 
+@functools.lru_cache(maxsize=None)
 def _params(fn: Callable[..., Any]) -> Any:
+    # Once per entry point: inspect.signature costs more host time than a small block's kernel.
     # torch.library.custom_op (FA2 >= 2.7 on torch >= 2.4, newest FA3) keeps the Python function in _init_fn
     return inspect.signature(getattr(fn, "_init_fn", fn)).parameters
 

@@ -264,11 +264,21 @@ def _documents() -> tuple[torch.Tensor, tuple[int, ...]]:
     return torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(11)), random_documents(60, seed=5)
 
 
-def _per_document_reference(position_embedding_type: str = "rope") -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """CP = 1 with plain causal SDPA, every real document of :func:`_documents` through the
+# Nine documents of the primes 2 .. 23 (100 tokens, a multiple of CP = 4: no padding anywhere)
+PRIME_LENGTHS = (13, 2, 23, 5, 11, 3, 19, 7, 17)
+
+
+def _prime_documents() -> tuple[torch.Tensor, tuple[int, ...]]:
+    cu = tuple(int(x) for x in torch.tensor((0, *PRIME_LENGTHS)).cumsum(0))
+    return torch.randint(0, VOCAB, (cu[-1],), generator=torch.Generator().manual_seed(13)), cu
+
+
+def _per_document_reference(position_embedding_type: str = "rope", documents=_documents,
+                            ) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """CP = 1 with plain causal SDPA, every real document of ``documents()`` through the
     model on its own (never packed, padded or sharded; positions from 0): the token-mean
     loss over all documents, the weights and the gradients."""
-    tokens, cu = _documents()
+    tokens, cu = documents()
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
     try:
         model = _model(replace_core(PlainCoreAttention), tp=1, cp=1, full_params=None,
@@ -637,3 +647,88 @@ def test_unpadded_thd_documents_equal_per_document_cp1(pools, ulysses: int) -> N
         assert r["tokens"] == 60  # 60 real tokens, no document padded (60 is a multiple of CP = 4)
         assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
         assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6, r
+
+
+# ------------------------------------------------- unpadded THD documents with RoPE (issue 22)
+
+
+def _rope_by_formula(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Plain RoPE written out: ``x`` ``[t, h, d]`` rotated at ``positions`` ``[t]`` (halves layout)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.outer(positions.float(), inv_freq)  # [t, d / 2]
+    cos, sin = torch.cat((angles, angles), -1).cos()[:, None], torch.cat((angles, angles), -1).sin()[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def test_document_angles_are_positions_inside_each_document_where_megatrons_thd_split_fails() -> None:
+    """LayoutRotaryEmbedding.document_angles rotates every token of a document_zigzag shard of
+    prime-length documents at its position inside its document (RoPE written out on each
+    whole document, then sharded). Negative control: megatron-core's THD RoPE
+    (``_apply_rotary_pos_emb_thd``, its halves of ``len // CP``) refuses the same shard."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd, apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    tokens, cu = _prime_documents()
+    x = torch.randn(cu[-1], 2, 16, generator=torch.Generator().manual_seed(3))  # [t, h, d]
+    expected_full = torch.cat([_rope_by_formula(x[a:b], torch.arange(b - a)) for a, b in zip(cu, cu[1:])])
+    config = types.SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    for cp in (1, 2, 4):
+        layout = "document_zigzag" if cp > 1 else "contiguous"  # the core attention's layout at CP = 1
+        for rank in range(cp):
+            group = _FakeGroup(rank, cp)
+            rope = rsm.LayoutRotaryEmbedding(RotaryEmbedding(16, 1.0, use_cpu_initialization=True, cp_group=group),
+                                             layout="document_zigzag", cp_group=group, device="cpu")
+            local = ring_sp.shard_sequence(x, rank=rank, world_size=cp, layout=layout, dim=0, cu_seqlens=cu)
+            angles = rope.document_angles(cu, layout, cp, rank)
+            assert angles.shape == (cu[-1] // cp, 1, 1, 16)
+            mine = _apply_rotary_pos_emb_bshd(local[:, None], angles)[:, 0]
+            expected = ring_sp.shard_sequence(expected_full, rank=rank, world_size=cp, layout=layout, dim=0,
+                                              cu_seqlens=cu)
+            assert torch.allclose(mine, expected, atol=1e-5)
+            if cp > 1:
+                with pytest.raises(RuntimeError):  # split sizes (len // CP per document) do not add up
+                    apply_rotary_pos_emb(local, rope(max(PRIME_LENGTHS), packed_seq=True), config,
+                                         cu_seqlens=torch.tensor(cu, dtype=torch.int32), cp_group=group)
+
+
+def unpadded_rope_case(ulysses: int) -> dict[str, object]:
+    """CP = 4 on nine UNPADDED THD documents of prime lengths in a RoPE model (ring_sp rotates
+    each token by its position inside its document) against every document run alone at
+    CP = 1; then the same batch through megatron-core's THD RoPE path (the rotary not
+    handed to the core attention) is refused."""
+    ref_loss, params, ref_grads = _per_document_reference("rope", _prime_documents)
+    tokens, cu = _prime_documents()
+    parallel_state.initialize_model_parallel(context_parallel_size=4, create_gloo_process_groups=False)
+    try:
+        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=False)
+        spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(ulysses_size=ulysses, layout="document_zigzag"),
+                                              normalization="RMSNorm")
+        model = _model(spec, 1, 4, params)
+        rotary = model.module.rotary_pos_emb
+        handed = all(layer.self_attention.core_attention.document_rope is rotary for layer in model.module.decoder.layers)
+        losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
+        loss = sequence_parallel_loss((losses * shard["loss_mask"]).sum(), shard["loss_mask"].sum(),
+                                      group=parallel_state.get_context_parallel_group(), gradients_averaged_over_sp=True)
+        loss.backward()
+        model.finish_grad_sync()
+        grads = _grads(model)
+        rotary.rotates_documents = False  # megatron-core's THD RoPE: needs documents of multiples of 2 x CP
+        with pytest.raises(ValueError) as refused:
+            model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
+        return {"loss": loss.item(), "ref_loss": ref_loss, "tokens": 4 * shard["tokens"].shape[1], "handed": handed,
+                "padded": packed.cu_seqlens_q_padded is not None, "refused": str(refused.value),
+                "grad_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+                "ref_grad_max": max(g.abs().max().item() for g in ref_grads.values())}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("ulysses", [pytest.param(2, id="cp4-u2xr2"), pytest.param(1, id="cp4-u1xr4")])
+def test_unpadded_rope_documents_equal_per_document_cp1(pools, ulysses: int) -> None:
+    for r in pools.get(4).run(unpadded_rope_case, ulysses, timeout=240):
+        assert r["tokens"] == sum(PRIME_LENGTHS) and not r["padded"] and r["handed"], r  # no padding anywhere
+        assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
+        assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6, r
+        assert "document 0 has 13 tokens, not a multiple of 2 x context-parallel size = 8" in r["refused"], r

@@ -273,16 +273,16 @@ def _prime_documents() -> tuple[torch.Tensor, tuple[int, ...]]:
     return torch.randint(0, VOCAB, (cu[-1],), generator=torch.Generator().manual_seed(13)), cu
 
 
-def _per_document_reference(position_embedding_type: str = "rope", documents=_documents,
+def _per_document_reference(position_embedding_type: str = "rope", documents=_documents, **overrides,
                             ) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """CP = 1 with plain causal SDPA, every real document of ``documents()`` through the
     model on its own (never packed, padded or sharded; positions from 0): the token-mean
-    loss over all documents, the weights and the gradients."""
+    loss over all documents, the weights and the gradients. ``overrides``: TransformerConfig fields."""
     tokens, cu = documents()
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
     try:
         model = _model(replace_core(PlainCoreAttention), tp=1, cp=1, full_params=None,
-                       position_embedding_type=position_embedding_type)
+                       position_embedding_type=position_embedding_type, **overrides)
         params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
         total, count = 0.0, 0
         for a, b in zip(cu, cu[1:]):
@@ -603,12 +603,14 @@ def test_example_trains_and_resumes_at_another_cp_size(tmp_path: Path) -> None:
 
 
 def test_example_trains_on_packed_documents() -> None:
-    """--pack-documents (one THD row per micro-batch): CP = 4 (U2 x R2) on 4 ranks gives the
-    losses of CP = 1 on one rank."""
-    packed = ("--train-iters", "2", "--pack-documents", "--ring-sp-layout", "document_zigzag")
+    """--pack-documents (one THD row per micro-batch, documents unpadded, RoPE by position
+    inside each document; --ring-sp-layout then defaults to document_zigzag): CP = 4
+    (U2 x R2) on 4 ranks gives the losses of CP = 1 on one rank, with no padding token."""
+    packed = ("--train-iters", "2", "--pack-documents")
     cp4 = _example(4, *packed)
     cp1 = _example(1, *packed, "--ring-sp-ulysses-size", "1")
     assert [r["step"] for r in cp4] == [r["step"] for r in cp1] == [1, 2]
+    assert all(r["padding"] == 0 for r in cp4 + cp1), (cp4, cp1)
     for a, b in zip(cp4, cp1):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (cp4, cp1)
 
@@ -732,3 +734,54 @@ def test_unpadded_rope_documents_equal_per_document_cp1(pools, ulysses: int) -> 
         assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
         assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6, r
         assert "document 0 has 13 tokens, not a multiple of 2 x context-parallel size = 8" in r["refused"], r
+
+
+def test_ring_sp_rope_skips_megatrons_no_rope_layers_at_cp1(single_rank) -> None:
+    """``no_rope_freq=[0, 1]`` (layer 2 without RoPE, as Megatron's SelfAttention skips it):
+    the THD path, where the ring_sp layers rotate, equals each document alone through
+    megatron-core's own RoPE with the same setting, whose gradients differ from RoPE on every
+    layer's by 5e-4."""
+    ref_loss, params, ref_grads = _per_document_reference("rope", _prime_documents, no_rope_freq=[0, 1])
+    tokens, cu = _prime_documents()
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    try:
+        spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(layout="document_zigzag"), normalization="RMSNorm")
+        model = _model(spec, 1, 1, params, no_rope_freq=[0, 1])
+        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=False)
+        losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
+        loss = (losses * shard["loss_mask"]).sum() / shard["loss_mask"].sum()
+        loss.backward()
+        model.finish_grad_sync()
+        grads = _grads(model)
+    finally:
+        parallel_state.destroy_model_parallel()
+    assert math.isclose(loss.item(), ref_loss, rel_tol=1e-6)
+    assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= 1e-6
+    every_layer = _per_document_reference("rope", _prime_documents)[2]  # RoPE on both layers
+    assert max((every_layer[n] - ref_grads[n]).abs().max().item() for n in ref_grads) > 1e-4  # >> the 1e-6 above
+
+
+def test_install_layout_rope_refuses_what_it_cannot_rotate(single_rank) -> None:
+    """Errors naming the option: a model mixing ring_sp and other core attentions (ring_sp's
+    layers rotate THD tokens themselves), apply_rope_fusion on CPU, and the rotary classes
+    of position_embedding_type 'mrope' and 'yarn'."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    try:
+        ring = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(layout="document_zigzag"), normalization="RMSNorm")
+        mixed = TransformerBlockSubmodules(layer_specs=[ring, replace_core(PlainCoreAttention)])
+        model = GPTModel(_config(1, 1), mixed, vocab_size=VOCAB, max_sequence_length=SEQ,
+                         position_embedding_type="rope", share_embeddings_and_output_weights=False)
+        with pytest.raises(ValueError, match=r"1 of the model's 2 attention layers use RingSPCoreAttention"):
+            rsm.install_layout_rope(model)
+        model.config.apply_rope_fusion = True
+        with pytest.raises(ValueError, match=r"apply_rope_fusion=True .*cannot run on CPU; set apply_rope_fusion=False"):
+            rsm.install_layout_rope(model)
+    finally:
+        parallel_state.destroy_model_parallel()
+    for rotary, kind in ((MultimodalRotaryEmbedding, "mrope"), (YarnRotaryEmbedding, "yarn")):
+        with pytest.raises(TypeError, match=rf"position_embedding_type='{kind}' \({rotary.__name__}\) is not supported"):
+            rsm.LayoutRotaryEmbedding(rotary.__new__(rotary), layout="document_zigzag", cp_group=None, device="cpu")

@@ -352,15 +352,19 @@ def test_packed_thd_loss_and_reduced_grads_equal_per_document_cp1(pools, ulysses
         assert "needs --ring-sp-layout document_zigzag" in r["wrong_layout"], r
 
 
-def test_packed_thd_at_cp1_equals_per_document(single_rank) -> None:
-    """CP = 1 (the layout is then the identity): the same THD path, in this process."""
-    ref_loss, params, ref_grads = _per_document_reference()
-    tokens, cu = _documents()
+def _cp1_thd_case(documents=_documents, per_document_padding: bool = True,
+                  **overrides) -> tuple[float, float, float, dict[str, torch.Tensor]]:
+    """CP = 1 (the layout is then the identity): the THD path in this process against each
+    document alone (:func:`_per_document_reference`); ``overrides``: TransformerConfig fields
+    of both. Returns the loss, the reference loss, the largest gradient difference and the
+    reference gradients."""
+    ref_loss, params, ref_grads = _per_document_reference("rope", documents, **overrides)
+    tokens, cu = documents()
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
     try:
         spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(layout="document_zigzag"), normalization="RMSNorm")
-        model = _model(spec, 1, 1, params)
-        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu)
+        model = _model(spec, 1, 1, params, **overrides)
+        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=per_document_padding)
         losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
         loss = (losses * shard["loss_mask"]).sum() / shard["loss_mask"].sum()
         loss.backward()
@@ -368,8 +372,13 @@ def test_packed_thd_at_cp1_equals_per_document(single_rank) -> None:
         grads = _grads(model)
     finally:
         parallel_state.destroy_model_parallel()
-    assert math.isclose(loss.item(), ref_loss, rel_tol=1e-6)
-    assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= 1e-6
+    return loss.item(), ref_loss, max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads), ref_grads
+
+
+def test_packed_thd_at_cp1_equals_per_document(single_rank) -> None:
+    """CP = 1: the same THD path, in this process."""
+    loss, ref_loss, grad_err, _ = _cp1_thd_case()
+    assert math.isclose(loss, ref_loss, rel_tol=1e-6) and grad_err <= 1e-6
 
 
 def test_document_zigzag_is_transformer_engines_thd_partitioning() -> None:
@@ -618,27 +627,42 @@ def test_example_trains_on_packed_documents() -> None:
 # ------------------------------------------------------------- unpadded THD documents (issue 14)
 
 
-def unpadded_thd_case(ulysses: int) -> dict[str, object]:
-    """CP = 4 on THD documents of any length (``per_document_padding=False``: only the row's
-    end padded) in a model with learned absolute positions (megatron-core's THD RoPE needs
-    padded documents) against every document run alone at CP = 1."""
-    ref_loss, params, ref_grads = _per_document_reference("learned_absolute")
-    tokens, cu = _documents()
+def unpadded_thd_case(ulysses: int, position_embedding_type: str = "learned_absolute",
+                      primes: bool = False) -> dict[str, object]:
+    """CP = 4 on THD documents of any length (``per_document_padding=False``: at most the
+    row's end padded) against every document run alone at CP = 1: :func:`_documents`, or
+    :func:`_prime_documents` with ``primes``. With ``position_embedding_type="rope"`` the
+    ring_sp layers rotate each token by its position inside its document; the same batch
+    through megatron-core's THD RoPE (the rotary not handed to the core attention) is then
+    refused."""
+    documents = _prime_documents if primes else _documents
+    ref_loss, params, ref_grads = _per_document_reference(position_embedding_type, documents)
+    tokens, cu = documents()
     parallel_state.initialize_model_parallel(context_parallel_size=4, create_gloo_process_groups=False)
     try:
         shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=False)
         spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(ulysses_size=ulysses, layout="document_zigzag"),
                                               normalization="RMSNorm")
-        model = _model(spec, 1, 4, params, position_embedding_type="learned_absolute")
+        model = _model(spec, 1, 4, params, position_embedding_type=position_embedding_type)
         losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
         loss = sequence_parallel_loss((losses * shard["loss_mask"]).sum(), shard["loss_mask"].sum(),
                                       group=parallel_state.get_context_parallel_group(), gradients_averaged_over_sp=True)
         loss.backward()
         model.finish_grad_sync()
         grads = _grads(model)
-        return {"loss": loss.item(), "ref_loss": ref_loss, "tokens": 4 * shard["tokens"].shape[1],
-                "grad_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
-                "ref_grad_max": max(g.abs().max().item() for g in ref_grads.values())}
+        result = {"loss": loss.item(), "ref_loss": ref_loss, "tokens": 4 * shard["tokens"].shape[1],
+                  "padded": packed.cu_seqlens_q_padded is not None,
+                  "grad_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+                  "ref_grad_max": max(g.abs().max().item() for g in ref_grads.values())}
+        if position_embedding_type == "rope":
+            rotary = model.module.rotary_pos_emb
+            result["handed"] = all(layer.self_attention.core_attention.document_rope is rotary
+                                   for layer in model.module.decoder.layers)
+            rotary.rotates_documents = False  # megatron-core's THD RoPE: needs documents of multiples of 2 x CP
+            with pytest.raises(ValueError) as refused:
+                model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
+            result["refused"] = str(refused.value)
+        return result
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -695,41 +719,9 @@ def test_document_angles_are_positions_inside_each_document_where_megatrons_thd_
                                          cu_seqlens=torch.tensor(cu, dtype=torch.int32), cp_group=group)
 
 
-def unpadded_rope_case(ulysses: int) -> dict[str, object]:
-    """CP = 4 on nine UNPADDED THD documents of prime lengths in a RoPE model (ring_sp rotates
-    each token by its position inside its document) against every document run alone at
-    CP = 1; then the same batch through megatron-core's THD RoPE path (the rotary not
-    handed to the core attention) is refused."""
-    ref_loss, params, ref_grads = _per_document_reference("rope", _prime_documents)
-    tokens, cu = _prime_documents()
-    parallel_state.initialize_model_parallel(context_parallel_size=4, create_gloo_process_groups=False)
-    try:
-        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=False)
-        spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(ulysses_size=ulysses, layout="document_zigzag"),
-                                              normalization="RMSNorm")
-        model = _model(spec, 1, 4, params)
-        rotary = model.module.rotary_pos_emb
-        handed = all(layer.self_attention.core_attention.document_rope is rotary for layer in model.module.decoder.layers)
-        losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
-        loss = sequence_parallel_loss((losses * shard["loss_mask"]).sum(), shard["loss_mask"].sum(),
-                                      group=parallel_state.get_context_parallel_group(), gradients_averaged_over_sp=True)
-        loss.backward()
-        model.finish_grad_sync()
-        grads = _grads(model)
-        rotary.rotates_documents = False  # megatron-core's THD RoPE: needs documents of multiples of 2 x CP
-        with pytest.raises(ValueError) as refused:
-            model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
-        return {"loss": loss.item(), "ref_loss": ref_loss, "tokens": 4 * shard["tokens"].shape[1], "handed": handed,
-                "padded": packed.cu_seqlens_q_padded is not None, "refused": str(refused.value),
-                "grad_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
-                "ref_grad_max": max(g.abs().max().item() for g in ref_grads.values())}
-    finally:
-        parallel_state.destroy_model_parallel()
-
-
 @pytest.mark.parametrize("ulysses", [pytest.param(2, id="cp4-u2xr2"), pytest.param(1, id="cp4-u1xr4")])
 def test_unpadded_rope_documents_equal_per_document_cp1(pools, ulysses: int) -> None:
-    for r in pools.get(4).run(unpadded_rope_case, ulysses, timeout=240):
+    for r in pools.get(4).run(unpadded_thd_case, ulysses, "rope", True, timeout=240):
         assert r["tokens"] == sum(PRIME_LENGTHS) and not r["padded"] and r["handed"], r  # no padding anywhere
         assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
         assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6, r
@@ -741,22 +733,8 @@ def test_ring_sp_rope_skips_megatrons_no_rope_layers_at_cp1(single_rank) -> None
     the THD path, where the ring_sp layers rotate, equals each document alone through
     megatron-core's own RoPE with the same setting, whose gradients differ from RoPE on every
     layer's by 5e-4."""
-    ref_loss, params, ref_grads = _per_document_reference("rope", _prime_documents, no_rope_freq=[0, 1])
-    tokens, cu = _prime_documents()
-    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
-    try:
-        spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(layout="document_zigzag"), normalization="RMSNorm")
-        model = _model(spec, 1, 1, params, no_rope_freq=[0, 1])
-        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=False)
-        losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
-        loss = (losses * shard["loss_mask"]).sum() / shard["loss_mask"].sum()
-        loss.backward()
-        model.finish_grad_sync()
-        grads = _grads(model)
-    finally:
-        parallel_state.destroy_model_parallel()
-    assert math.isclose(loss.item(), ref_loss, rel_tol=1e-6)
-    assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= 1e-6
+    loss, ref_loss, grad_err, ref_grads = _cp1_thd_case(_prime_documents, False, no_rope_freq=[0, 1])
+    assert math.isclose(loss, ref_loss, rel_tol=1e-6) and grad_err <= 1e-6
     every_layer = _per_document_reference("rope", _prime_documents)[2]  # RoPE on both layers
     assert max((every_layer[n] - ref_grads[n]).abs().max().item() for n in ref_grads) > 1e-4  # >> the 1e-6 above
 

@@ -139,8 +139,9 @@ def check_thd_rope_documents(params, cp_size: int) -> None:
             f"packed_seq_params: document {bad} has {lengths[bad]} tokens, not a multiple of 2 x context-parallel "
             f"size = {2 * cp_size}; megatron-core's THD RoPE slices every document into 2 x CP equal chunks. Use "
             f"ring_sp's core attention in every layer (get_gpt_layer_ring_sp_spec) and install_layout_rope(model), "
-            f"which rotate each token by its position inside its document (any length), or pad each document "
-            f"(thd_batch_on_this_cp_rank(..., per_document_padding=True))"
+            f"which rotate each token by its position inside its document (any length); or pad each document "
+            f"(thd_batch_on_this_cp_rank(..., per_document_padding=True)); or train without rotary embeddings "
+            f"(position_embedding_type='learned_absolute' or 'none')"
         )
 
 

@@ -264,15 +264,25 @@ def _documents() -> tuple[torch.Tensor, tuple[int, ...]]:
     return torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(11)), random_documents(60, seed=5)
 
 
-def _per_document_reference(position_embedding_type: str = "rope") -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """CP = 1 with plain causal SDPA, every real document of :func:`_documents` through the
+# Nine documents of the primes 2 .. 23 (100 tokens, a multiple of CP = 4: no padding anywhere)
+PRIME_LENGTHS = (13, 2, 23, 5, 11, 3, 19, 7, 17)
+
+
+def _prime_documents() -> tuple[torch.Tensor, tuple[int, ...]]:
+    cu = tuple(int(x) for x in torch.tensor((0, *PRIME_LENGTHS)).cumsum(0))
+    return torch.randint(0, VOCAB, (cu[-1],), generator=torch.Generator().manual_seed(13)), cu
+
+
+def _per_document_reference(position_embedding_type: str = "rope", documents=_documents, **overrides,
+                            ) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """CP = 1 with plain causal SDPA, every real document of ``documents()`` through the
     model on its own (never packed, padded or sharded; positions from 0): the token-mean
-    loss over all documents, the weights and the gradients."""
-    tokens, cu = _documents()
+    loss over all documents, the weights and the gradients. ``overrides``: TransformerConfig fields."""
+    tokens, cu = documents()
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
     try:
         model = _model(replace_core(PlainCoreAttention), tp=1, cp=1, full_params=None,
-                       position_embedding_type=position_embedding_type)
+                       position_embedding_type=position_embedding_type, **overrides)
         params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
         total, count = 0.0, 0
         for a, b in zip(cu, cu[1:]):
@@ -342,15 +352,19 @@ def test_packed_thd_loss_and_reduced_grads_equal_per_document_cp1(pools, ulysses
         assert "needs --ring-sp-layout document_zigzag" in r["wrong_layout"], r
 
 
-def test_packed_thd_at_cp1_equals_per_document(single_rank) -> None:
-    """CP = 1 (the layout is then the identity): the same THD path, in this process."""
-    ref_loss, params, ref_grads = _per_document_reference()
-    tokens, cu = _documents()
+def _cp1_thd_case(documents=_documents, per_document_padding: bool = True,
+                  **overrides) -> tuple[float, float, float, dict[str, torch.Tensor]]:
+    """CP = 1 (the layout is then the identity): the THD path in this process against each
+    document alone (:func:`_per_document_reference`); ``overrides``: TransformerConfig fields
+    of both. Returns the loss, the reference loss, the largest gradient difference and the
+    reference gradients."""
+    ref_loss, params, ref_grads = _per_document_reference("rope", documents, **overrides)
+    tokens, cu = documents()
     parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
     try:
         spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(layout="document_zigzag"), normalization="RMSNorm")
-        model = _model(spec, 1, 1, params)
-        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu)
+        model = _model(spec, 1, 1, params, **overrides)
+        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=per_document_padding)
         losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
         loss = (losses * shard["loss_mask"]).sum() / shard["loss_mask"].sum()
         loss.backward()
@@ -358,8 +372,13 @@ def test_packed_thd_at_cp1_equals_per_document(single_rank) -> None:
         grads = _grads(model)
     finally:
         parallel_state.destroy_model_parallel()
-    assert math.isclose(loss.item(), ref_loss, rel_tol=1e-6)
-    assert max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads) <= 1e-6
+    return loss.item(), ref_loss, max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads), ref_grads
+
+
+def test_packed_thd_at_cp1_equals_per_document(single_rank) -> None:
+    """CP = 1: the same THD path, in this process."""
+    loss, ref_loss, grad_err, _ = _cp1_thd_case()
+    assert math.isclose(loss, ref_loss, rel_tol=1e-6) and grad_err <= 1e-6
 
 
 def test_document_zigzag_is_transformer_engines_thd_partitioning() -> None:
@@ -602,12 +621,14 @@ def test_example_trains_and_resumes_at_another_cp_size(tmp_path: Path, packed: b
 
 @pytest.mark.slow
 def test_example_trains_on_packed_documents() -> None:
-    """--pack-documents (one THD row per micro-batch): CP = 4 (U2 x R2) on 4 ranks gives the
-    losses of CP = 1 on one rank."""
-    packed = ("--train-iters", "2", "--pack-documents", "--ring-sp-layout", "document_zigzag")
+    """--pack-documents (one THD row per micro-batch, documents unpadded, RoPE by position
+    inside each document; --ring-sp-layout then defaults to document_zigzag): CP = 4
+    (U2 x R2) on 4 ranks gives the losses of CP = 1 on one rank, with no padding token."""
+    packed = ("--train-iters", "2", "--pack-documents")
     cp4 = _example(4, *packed)
     cp1 = _example(1, *packed, "--ring-sp-ulysses-size", "1")
     assert [r["step"] for r in cp4] == [r["step"] for r in cp1] == [1, 2]
+    assert all(r["padding"] == 0 for r in cp4 + cp1), (cp4, cp1)
     for a, b in zip(cp4, cp1):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (cp4, cp1)
 
@@ -615,27 +636,42 @@ def test_example_trains_on_packed_documents() -> None:
 # ------------------------------------------------------------- unpadded THD documents (issue 14)
 
 
-def unpadded_thd_case(ulysses: int) -> dict[str, object]:
-    """CP = 4 on THD documents of any length (``per_document_padding=False``: only the row's
-    end padded) in a model with learned absolute positions (megatron-core's THD RoPE needs
-    padded documents) against every document run alone at CP = 1."""
-    ref_loss, params, ref_grads = _per_document_reference("learned_absolute")
-    tokens, cu = _documents()
+def unpadded_thd_case(ulysses: int, position_embedding_type: str = "learned_absolute",
+                      primes: bool = False) -> dict[str, object]:
+    """CP = 4 on THD documents of any length (``per_document_padding=False``: at most the
+    row's end padded) against every document run alone at CP = 1: :func:`_documents`, or
+    :func:`_prime_documents` with ``primes``. With ``position_embedding_type="rope"`` the
+    ring_sp layers rotate each token by its position inside its document; the same batch
+    through megatron-core's THD RoPE (the rotary not handed to the core attention) is then
+    refused."""
+    documents = _prime_documents if primes else _documents
+    ref_loss, params, ref_grads = _per_document_reference(position_embedding_type, documents)
+    tokens, cu = documents()
     parallel_state.initialize_model_parallel(context_parallel_size=4, create_gloo_process_groups=False)
     try:
         shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=False)
         spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(ulysses_size=ulysses, layout="document_zigzag"),
                                               normalization="RMSNorm")
-        model = _model(spec, 1, 4, params, position_embedding_type="learned_absolute")
+        model = _model(spec, 1, 4, params, position_embedding_type=position_embedding_type)
         losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
         loss = sequence_parallel_loss((losses * shard["loss_mask"]).sum(), shard["loss_mask"].sum(),
                                       group=parallel_state.get_context_parallel_group(), gradients_averaged_over_sp=True)
         loss.backward()
         model.finish_grad_sync()
         grads = _grads(model)
-        return {"loss": loss.item(), "ref_loss": ref_loss, "tokens": 4 * shard["tokens"].shape[1],
-                "grad_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
-                "ref_grad_max": max(g.abs().max().item() for g in ref_grads.values())}
+        result = {"loss": loss.item(), "ref_loss": ref_loss, "tokens": 4 * shard["tokens"].shape[1],
+                  "padded": packed.cu_seqlens_q_padded is not None,
+                  "grad_err": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+                  "ref_grad_max": max(g.abs().max().item() for g in ref_grads.values())}
+        if position_embedding_type == "rope":
+            rotary = model.module.rotary_pos_emb
+            result["handed"] = all(layer.self_attention.core_attention.document_rope is rotary
+                                   for layer in model.module.decoder.layers)
+            rotary.rotates_documents = False  # megatron-core's THD RoPE: needs documents of multiples of 2 x CP
+            with pytest.raises(ValueError) as refused:
+                model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
+            result["refused"] = str(refused.value)
+        return result
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -646,3 +682,93 @@ def test_unpadded_thd_documents_equal_per_document_cp1(pools, ulysses: int) -> N
         assert r["tokens"] == 60  # 60 real tokens, no document padded (60 is a multiple of CP = 4)
         assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
         assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6, r
+
+
+# ------------------------------------------------- unpadded THD documents with RoPE (issue 22)
+
+
+def _rope_by_formula(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Plain RoPE written out: ``x`` ``[t, h, d]`` rotated at ``positions`` ``[t]`` (halves layout)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angles = torch.outer(positions.float(), inv_freq)  # [t, d / 2]
+    cos, sin = torch.cat((angles, angles), -1).cos()[:, None], torch.cat((angles, angles), -1).sin()[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def test_document_angles_are_positions_inside_each_document_where_megatrons_thd_split_fails() -> None:
+    """LayoutRotaryEmbedding.document_angles rotates every token of a document_zigzag shard of
+    prime-length documents at its position inside its document (RoPE written out on each
+    whole document, then sharded). Negative control: megatron-core's THD RoPE
+    (``_apply_rotary_pos_emb_thd``, its halves of ``len // CP``) refuses the same shard."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd, apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    tokens, cu = _prime_documents()
+    x = torch.randn(cu[-1], 2, 16, generator=torch.Generator().manual_seed(3))  # [t, h, d]
+    expected_full = torch.cat([_rope_by_formula(x[a:b], torch.arange(b - a)) for a, b in zip(cu, cu[1:])])
+    config = types.SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    for cp in (1, 2, 4):
+        layout = "document_zigzag" if cp > 1 else "contiguous"  # the core attention's layout at CP = 1
+        for rank in range(cp):
+            group = _FakeGroup(rank, cp)
+            rope = rsm.LayoutRotaryEmbedding(RotaryEmbedding(16, 1.0, use_cpu_initialization=True, cp_group=group),
+                                             layout="document_zigzag", cp_group=group, device="cpu")
+            local = ring_sp.shard_sequence(x, rank=rank, world_size=cp, layout=layout, dim=0, cu_seqlens=cu)
+            angles = rope.document_angles(cu, layout, cp, rank)
+            assert angles.shape == (cu[-1] // cp, 1, 1, 16)
+            mine = _apply_rotary_pos_emb_bshd(local[:, None], angles)[:, 0]
+            expected = ring_sp.shard_sequence(expected_full, rank=rank, world_size=cp, layout=layout, dim=0,
+                                              cu_seqlens=cu)
+            assert torch.allclose(mine, expected, atol=1e-5)
+            if cp > 1:
+                with pytest.raises(RuntimeError):  # split sizes (len // CP per document) do not add up
+                    apply_rotary_pos_emb(local, rope(max(PRIME_LENGTHS), packed_seq=True), config,
+                                         cu_seqlens=torch.tensor(cu, dtype=torch.int32), cp_group=group)
+
+
+@pytest.mark.parametrize("ulysses", [pytest.param(2, id="cp4-u2xr2"), pytest.param(1, id="cp4-u1xr4")])
+def test_unpadded_rope_documents_equal_per_document_cp1(pools, ulysses: int) -> None:
+    for r in pools.get(4).run(unpadded_thd_case, ulysses, "rope", True, timeout=240):
+        assert r["tokens"] == sum(PRIME_LENGTHS) and not r["padded"] and r["handed"], r  # no padding anywhere
+        assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
+        assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6, r
+        assert "document 0 has 13 tokens, not a multiple of 2 x context-parallel size = 8" in r["refused"], r
+
+
+def test_ring_sp_rope_skips_megatrons_no_rope_layers_at_cp1(single_rank) -> None:
+    """``no_rope_freq=[0, 1]`` (layer 2 without RoPE, as Megatron's SelfAttention skips it):
+    the THD path, where the ring_sp layers rotate, equals each document alone through
+    megatron-core's own RoPE with the same setting, whose gradients differ from RoPE on every
+    layer's by 5e-4."""
+    loss, ref_loss, grad_err, ref_grads = _cp1_thd_case(_prime_documents, False, no_rope_freq=[0, 1])
+    assert math.isclose(loss, ref_loss, rel_tol=1e-6) and grad_err <= 1e-6
+    every_layer = _per_document_reference("rope", _prime_documents)[2]  # RoPE on both layers
+    assert max((every_layer[n] - ref_grads[n]).abs().max().item() for n in ref_grads) > 1e-4  # >> the 1e-6 above
+
+
+def test_install_layout_rope_refuses_what_it_cannot_rotate(single_rank) -> None:
+    """Errors naming the option: a model mixing ring_sp and other core attentions (ring_sp's
+    layers rotate THD tokens themselves), apply_rope_fusion on CPU, and the rotary classes
+    of position_embedding_type 'mrope' and 'yarn'."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    parallel_state.initialize_model_parallel(create_gloo_process_groups=False)
+    try:
+        ring = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(layout="document_zigzag"), normalization="RMSNorm")
+        mixed = TransformerBlockSubmodules(layer_specs=[ring, replace_core(PlainCoreAttention)])
+        model = GPTModel(_config(1, 1), mixed, vocab_size=VOCAB, max_sequence_length=SEQ,
+                         position_embedding_type="rope", share_embeddings_and_output_weights=False)
+        with pytest.raises(ValueError, match=r"1 of the model's 2 attention layers use RingSPCoreAttention"):
+            rsm.install_layout_rope(model)
+        model.config.apply_rope_fusion = True
+        with pytest.raises(ValueError, match=r"apply_rope_fusion=True .*cannot run on CPU; set apply_rope_fusion=False"):
+            rsm.install_layout_rope(model)
+    finally:
+        parallel_state.destroy_model_parallel()
+    for rotary, kind in ((MultimodalRotaryEmbedding, "mrope"), (YarnRotaryEmbedding, "yarn")):
+        with pytest.raises(TypeError, match=rf"position_embedding_type='{kind}' \({rotary.__name__}\) is not supported"):
+            rsm.LayoutRotaryEmbedding(rotary.__new__(rotary), layout="document_zigzag", cp_group=None, device="cpu")

@@ -6,8 +6,9 @@ into ``--ring-sp-ulysses-size`` x ring. Data: the Python standard library's docs
 byte tokens (``examples/common/data.py``); every rank draws the same batch for a step, DP
 ranks take their slice and CP ranks their shard (Megatron's ``get_batch_on_this_cp_rank``
 for zigzag). ``--pack-documents`` trains on whole docstrings instead: each micro-batch is one
-packed THD row (Megatron's packed sequences, ``PackedSeqParams``), every document padded to
-a multiple of 2 x CP and sharded per document (``--ring-sp-layout document_zigzag``).
+packed THD row (Megatron's packed sequences, ``PackedSeqParams``), documents of any length
+UNPADDED and sharded per document (``--ring-sp-layout document_zigzag``, its default then);
+ring_sp's core attention applies RoPE at each token's position inside its document.
 
 Megatron pieces used: ``parallel_state``, ``GPTModel`` with the ring_sp layer spec, DDP
 (gradients averaged over DP x CP), and on GPUs ``get_megatron_optimizer``. On CPU,
@@ -74,8 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--corpus-bytes", type=int, default=4_000_000, help="size of the docstring corpus to load")
     train.add_argument("--pack-documents", action="store_true",
-                       help="one packed THD row of whole documents per micro-batch, attention inside each "
-                            "(needs --ring-sp-layout document_zigzag at CP > 1)")
+                       help="one packed THD row of whole documents per micro-batch, unpadded, attention and RoPE "
+                            "positions inside each (--ring-sp-layout defaults to document_zigzag then)")
     train.add_argument("--bf16", action="store_true", help="bf16 model with fp32 main params (GPU)")
     train.add_argument("--cpu", action="store_true", help="run on CPU ranks over gloo even if CUDA is present")
     io = parser.add_argument_group("checkpoints and logging")
@@ -85,7 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     io.add_argument("--ckpt-step", type=int, default=None, help="step to load (default: the latest)")
     io.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
     ring_sp_megatron.add_ring_sp_args(parser)
+    parser.set_defaults(ring_sp_layout=None)  # zigzag, or document_zigzag with --pack-documents
     args = parser.parse_args(argv)
+    if args.ring_sp_layout is None:
+        args.ring_sp_layout = "document_zigzag" if args.pack_documents else "zigzag"
     args.attention_dropout = 0.0
     args.position_embedding_type = "rope"
     return args
@@ -163,7 +167,9 @@ def build_model(args: argparse.Namespace, device: torch.device):
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     model = GPTModel(config, spec, vocab_size=VOCAB_SIZE, max_sequence_length=args.seq_length,
                      position_embedding_type="rope", share_embeddings_and_output_weights=False)
-    if device.type == "cpu" or ring_sp_megatron.unpacked_layout(args.ring_sp_layout) != "zigzag":
+    # also with --pack-documents: the ring_sp layers then rotate THD tokens by their position
+    # inside their document, which needs no per-document padding (megatron-core's THD RoPE does)
+    if device.type == "cpu" or args.pack_documents or ring_sp_megatron.unpacked_layout(args.ring_sp_layout) != "zigzag":
         ring_sp_megatron.install_layout_rope(model, layout=args.ring_sp_layout, device=device)
     model.to(device)
     if args.bf16:
@@ -242,15 +248,17 @@ def packed_windows(args: argparse.Namespace, num_windows: int, step: int, dp_ran
 
 def packed_batch(documents: PackedDocuments, indices: list[int], device: torch.device) -> dict[str, object]:
     """This CP rank's THD micro-batch: the windows ``indices`` end to end as ONE packed row
-    (Megatron's THD batches have b = 1), documents padded and sharded per document; the
-    ``PackedSeqParams`` under ``packed_seq_params``."""
+    (Megatron's THD batches have b = 1), documents unpadded and sharded per document; the
+    ``PackedSeqParams`` under ``packed_seq_params`` and the row's padding tokens (only its end,
+    to a multiple of CP; none when --seq-length is a multiple of CP) under ``padding``."""
     windows = [documents[i] for i in indices]
     cu_seqlens = [0]
     for window in windows:
         cu_seqlens += [cu_seqlens[-1] + int(end) for end in window["cu_seqlens"][1:]]
     tokens = torch.cat([window["input_ids"] for window in windows])[None].to(device)
-    batch, packed = ring_sp_megatron.thd_batch_on_this_cp_rank(tokens, cu_seqlens)
-    return {**batch, "packed_seq_params": packed}
+    batch, packed = ring_sp_megatron.thd_batch_on_this_cp_rank(tokens, cu_seqlens, per_document_padding=False)
+    padding = int(packed.cu_seqlens_q[-1]) - tokens.shape[1]
+    return {**batch, "packed_seq_params": packed, "padding": padding}
 
 
 def train_step(args: argparse.Namespace, model, optimizer, batch: dict[str, object], step: int,
@@ -376,7 +384,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             batch = shard_batch(args, batches.batch(step, dp_rank=dp_rank, dp_size=dp_size), device)
         loss = train_step(args, model, optimizer, batch, step, device)
-        progress.step(step, loss, tokens_per_step, lr=round(learning_rate(args, step), 8))
+        extra = {"padding": batch["padding"]} if args.pack_documents else {}
+        progress.step(step, loss, tokens_per_step, lr=round(learning_rate(args, step), 8), **extra)
         if args.save is not None and args.save_interval and step % args.save_interval == 0:
             save_checkpoint(args, args.save, step, model, optimizer)
     if args.save is not None and not (args.save_interval and args.train_iters % args.save_interval == 0):

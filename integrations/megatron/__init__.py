@@ -7,7 +7,9 @@
 * ``gpt_layer_ring_sp_spec``: the same spec as an object, built from Megatron-LM's
   arguments on first access, for ``--spec ring_sp.integrations.megatron gpt_layer_ring_sp_spec``.
 * :func:`topology_from_parallel_state`: the ring_sp topology over Megatron's CP group.
-* :func:`install_layout_rope`, :func:`ddp_buffers_on_cpu`: running on CPU ranks (gloo).
+* :func:`install_layout_rope`: RoPE on CPU ranks and any layout, and on packed (THD)
+  documents of any length (the ring_sp layers rotate each token by its document position).
+* :func:`ddp_buffers_on_cpu`: running on CPU ranks (gloo).
 * :func:`thd_batch_on_this_cp_rank`: a packed (THD) batch for one CP rank without
   TransformerEngine; :class:`RingSPCoreAttention` takes its ``PackedSeqParams``.
 

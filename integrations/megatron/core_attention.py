@@ -15,6 +15,13 @@ this TP rank's heads in ``params_dtype`` with the same sharded checkpoint entry,
 checkpoints move between them; ``'off-by-one'`` is a sink of 0 (a buffer, not saved).
 Multi-latent attention (``MLASelfAttention``) hands ``k_channels``/``v_channels`` and a
 value head size different from q/k's: ring_sp attends with it as it is.
+
+RoPE on packed (THD) batches: megatron-core's ``SelfAttention`` rotates THD query/key with
+``_apply_rotary_pos_emb_thd``, which needs every document to be a multiple of ``2 x CP``
+tokens. After :func:`~.rope.install_layout_rope` the rotary hands this module nothing for
+THD batches and this module rotates query/key itself, each token by its position inside
+its document over ring_sp's ``document_zigzag`` shard (:meth:`~.rope.LayoutRotaryEmbedding.document_angles`),
+so documents of any length need no padding.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import _yarn_get_concentration_factor_from_config
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -110,10 +119,24 @@ class RingSPCoreAttention(MegatronModule):
             config.window_size, config.window_attn_skip_freq, layer_number) else None)
         self.ring_sp_config = ring_sp_config
         self.topology = topology
+        # Megatron's per-layer switch (SelfAttention skips RoPE on these layers too)
+        self._no_rope = bool(config.no_rope_freq[layer_number - 1]) if config.no_rope_freq else False
+        self._document_rope: tuple = ()  # (LayoutRotaryEmbedding,) once install_layout_rope hands it over
         # None means 1/sqrt(head_dim), as in DotProductAttention. Its
         # apply_query_key_layer_scaling divides the scale by layer_number and multiplies the
         # scores back inside the softmax: a no-op here, where softmax statistics are fp32.
         self.softmax_scale = softmax_scale
+
+    def use_document_rope(self, rope) -> None:
+        """Rotate THD query/key here, by :meth:`~.rope.LayoutRotaryEmbedding.document_angles` of
+        ``rope`` (called by :func:`~.rope.install_layout_rope`, which also stops the rotary from
+        handing ``SelfAttention`` angles for THD batches)."""
+        self._document_rope = (rope,)  # a tuple: one rotary shared by every layer, not a submodule of each
+
+    @property
+    def document_rope(self):
+        """The rotary that rotates THD query/key in this module, or None (Megatron's THD RoPE)."""
+        return self._document_rope[0] if self._document_rope else None
 
     @staticmethod
     def _check_supported(config: TransformerConfig, attention_type: str, attention_dropout: Optional[float]) -> None:
@@ -200,6 +223,8 @@ class RingSPCoreAttention(MegatronModule):
         if packed_seq_params is not None:
             cu_seqlens, layout = packed_attention_args(packed_seq_params, local_len=q.shape[1], batch=q.shape[0],
                                                        sp_group=self.topology.sp_group, layout=layout, causal=causal)
+            if thd and self._document_rope and not self._no_rope:
+                q, k = self._rotate_documents(q, k, cu_seqlens, layout)
         else:
             layout = unpacked_layout(layout)
         out = hybrid_attention(q, k, v, topology=self.topology, causal=causal, layout=layout,
@@ -207,6 +232,19 @@ class RingSPCoreAttention(MegatronModule):
                                cu_seqlens=cu_seqlens, sinks=self.softmax_offset, sliding_window=self.sliding_window,
                                kv_exchange=self.ring_sp_config.kv_exchange)
         return out.reshape(q.shape[1], -1) if thd else out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    def _rotate_documents(self, q: torch.Tensor, k: torch.Tensor, cu_seqlens: tuple[int, ...],
+                          layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on THD query ``[1, t, h, d]`` and key ``[1, t, h_kv, d]``: every token at its
+        position inside its document (``cu_seqlens``, sharded in ``layout`` by SP rank), with
+        megatron-core's ``apply_rotary_pos_emb`` in its per-token (sbhd) form, so the config's
+        ``rotary_interleaved`` / ``apply_rope_fusion`` apply as in ``SelfAttention``."""
+        angles = self._document_rope[0].document_angles(cu_seqlens, layout, self.topology.sp_size,
+                                                        self.topology.sp_rank)  # [t, 1, 1, rotary_dim]
+        mscale = _yarn_get_concentration_factor_from_config(self.config)
+        # [1, t, h, d] is sbhd with s = 1 and b = t: move t to the sequence dim for the angles
+        return tuple(apply_rotary_pos_emb(x.transpose(0, 1), angles, config=self.config, mscale=mscale,
+                                          cp_group=self.topology.sp_group).transpose(0, 1) for x in (q, k))
 
     @staticmethod
     def _causal(mask_type: AttnMaskType, attention_mask: Optional[torch.Tensor], *, packed: bool) -> bool:

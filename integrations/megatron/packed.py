@@ -8,7 +8,7 @@ What megatron-core 0.16.1 hands the core attention with packed sequences:
   ``thd_get_partitioned_indices`` over ``cu_seqlens_q_padded``: every padded document split
   into ``2 x CP`` chunks, CP rank c holding chunks c and ``2CP-1-c`` of each, documents in
   order. That is ring_sp's ``document_zigzag`` layout (which also splits documents of any
-  length, for models without megatron-core's THD RoPE: :func:`thd_batch_on_this_cp_rank`).
+  length, with ring_sp's own THD RoPE: :func:`thd_batch_on_this_cp_rank`, :func:`.rope.install_layout_rope`).
 * ``qkv_format="sbhd"`` (``get_batch_on_this_hybrid_cp_rank``): ``[s, b, heads, head_dim]``
   as usual, sharded by ``get_batch_on_this_cp_rank`` (plain zigzag), and the boundaries
   ``[0, s]`` of the one sample per row.
@@ -172,9 +172,10 @@ def thd_batch_on_this_cp_rank(
     every CP rank's tokens into ``len // cp_size`` per document and each of those into two
     equal zigzag halves, so it needs documents of multiples of ``2 x CP``. With
     ``per_document_padding=False`` no document is padded (``document_zigzag`` splits any
-    length) and only the end of the row is, as its own document: for models WITHOUT
-    megatron-core's rotary embedding (``position_embedding_type="learned_absolute"`` or
-    ``"none"``); with it, :class:`LayoutRotaryEmbedding` refuses such a batch.
+    length) and only the end of the row is, to a multiple of ``cp_size``, as its own
+    document: for models whose ring_sp layers apply RoPE themselves
+    (:func:`~.rope.install_layout_rope`) or that have no rotary embedding; megatron-core's
+    THD RoPE refuses such a batch (:class:`~.rope.LayoutRotaryEmbedding` says so first).
 
     This rank's shard is taken per document (``document_zigzag``). Returns Megatron's batch
     keys ``tokens``, ``labels`` (the next token inside the document), ``loss_mask`` (0 at

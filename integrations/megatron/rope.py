@@ -10,11 +10,17 @@ instead: the same numbers for zigzag, any device, and also the other layouts.
 
 Packed (THD) batches: ``GPTModel`` asks for ``packed_seq=True`` angles of the longest
 document (``packed_seq_params.max_seqlen_q``) and does NOT slice them; the attention's
-``apply_rotary_pos_emb(..., cu_seqlens=cu_seqlens_q_padded)`` (``_apply_rotary_pos_emb_thd``,
-plain torch, so it runs on CPU with ``apply_rope_fusion=False``) then takes, for every
-document, this CP rank's zigzag chunks of positions ``0 .. len - 1``: positions restart per
-document, in ring_sp's ``document_zigzag`` order. Here the packed call returns the same
-unsliced table.
+``apply_rotary_pos_emb(..., cu_seqlens=cu_seqlens_q_padded)`` (``_apply_rotary_pos_emb_thd``)
+then takes, for every document, this CP rank's two zigzag halves of positions
+``0 .. len - 1``, assuming each document is a multiple of ``2 x CP`` tokens. ring_sp's
+``document_zigzag`` splits documents of ANY length (chunks of ``c`` or ``c + 1`` tokens), so
+when every attention layer is ring_sp's, :func:`install_layout_rope` moves the THD rotation
+into :class:`~.core_attention.RingSPCoreAttention`: the packed call here returns None (Megatron's
+``SelfAttention`` then rotates nothing) and the core attention rotates query and key by
+:meth:`LayoutRotaryEmbedding.document_angles`, the angles of each of its tokens' position
+inside its document (the shard's GLOBAL positions), with megatron-core's own
+``apply_rotary_pos_emb`` in its unpacked (per-token) form. Unpadded documents then need no
+padding at all; padded ones get the same rotations as megatron-core's THD split.
 """
 
 from __future__ import annotations
@@ -22,9 +28,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import ring_sp
 from ring_sp import layout_positions
+from ring_sp.layouts import Boundaries
 
 from .config import unpacked_layout
+
+# GPTModel's rotary classes other than plain RoPE, by the position_embedding_type that builds them
+_OTHER_ROTARIES = {"YarnRotaryEmbedding": "yarn", "MultimodalRotaryEmbedding": "mrope"}
 
 
 class LayoutRotaryEmbedding(nn.Module):
@@ -34,8 +45,10 @@ class LayoutRotaryEmbedding(nn.Module):
     rank's rotary angles ``[max_seq_len / CP, 1, 1, rotary_dim]`` (the global positions
     of its shard, in its local order), like Megatron's; with ``packed_seq=True`` the angles
     of positions ``0 .. max_seq_len - 1`` ``[max_seq_len, 1, 1, rotary_dim]``, which
-    Megatron's THD RoPE slices per document and CP rank. ``document_zigzag`` slices
-    unpacked batches as ``zigzag`` (one document). Holds no parameters or buffers.
+    Megatron's THD RoPE slices per document and CP rank, or None when ``rotates_documents``
+    (set by :func:`install_layout_rope`): then the ring_sp core attention rotates THD tokens
+    itself by :meth:`document_angles`. ``document_zigzag`` slices unpacked batches as
+    ``zigzag`` (one document). Holds no parameters or buffers.
     """
 
     def __init__(self, rotary: nn.Module, *, layout: str, cp_group: torch.distributed.ProcessGroup | None,
@@ -44,41 +57,71 @@ class LayoutRotaryEmbedding(nn.Module):
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
         if type(rotary) is not RotaryEmbedding:  # YaRN/mRoPE return other shapes
-            raise TypeError(f"only megatron-core's plain RotaryEmbedding can be replaced; got {type(rotary).__name__}")
+            kind = _OTHER_ROTARIES.get(type(rotary).__name__)
+            option = f"position_embedding_type={kind!r} ({type(rotary).__name__})" if kind else type(rotary).__name__
+            raise TypeError(
+                f"{option} is not supported by ring_sp's rotary embedding: only megatron-core's plain "
+                f"RotaryEmbedding (position_embedding_type='rope') can be replaced"
+            )
         self.rotary = rotary
         self.layout = layout
         self.cp_group = cp_group
         self.device = torch.device(device)
-        self._last: tuple[tuple[int, int, bool], torch.Tensor] | None = None  # one length per run: cache it
+        self.rotates_documents = False  # True: THD tokens are rotated by the core attention
+        self._last: tuple[tuple[int, int], torch.Tensor] | None = None  # one length per run: cache it
+        self._last_documents: tuple[tuple, torch.Tensor] | None = None
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         """The global length to compute RoPE for (Megatron's rule, unchanged). Refuses THD
-        documents that megatron-core's THD RoPE cannot slice (see :func:`check_thd_rope_documents`)."""
+        documents that megatron-core's THD RoPE cannot slice (see :func:`check_thd_rope_documents`)
+        unless the core attention rotates them."""
         params = kwargs.get("packed_seq_params", args[4] if len(args) > 4 else None)
         group = self.cp_group
-        if params is not None and params.qkv_format == "thd" and group is not None:
+        if params is not None and params.qkv_format == "thd" and group is not None and not self.rotates_documents:
             check_thd_rope_documents(params, group.size())
         return self.rotary.get_rotary_seq_len(*args, **kwargs)
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
-                cp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
-        if self._last is not None and self._last[0] == (max_seq_len, offset, packed_seq):
+    def _table(self, length: int, offset: int = 0) -> torch.Tensor:
+        """Angles of positions ``offset .. offset + length - 1``: ``[length, rotary_dim]`` (cached)."""
+        if self._last is not None and self._last[0] == (length, offset):
             return self._last[1]
         rotary = self.rotary
         if rotary.inv_freq.device != self.device:
             rotary.inv_freq = rotary.inv_freq.to(self.device)
-        freqs = rotary.get_freqs_non_repeated(max_seq_len, offset)  # [N, rotary_dim / 2]
+        freqs = rotary.get_freqs_non_repeated(length, offset)  # [N, rotary_dim / 2]
         if rotary.rotary_interleaved:
             emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # f0 f0 f1 f1 ...
         else:
             emb = torch.cat((freqs, freqs), dim=-1)  # f0 f1 ... f0 f1 ...
+        self._last = ((length, offset), emb)
+        return emb
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor | None:
+        if packed_seq and self.rotates_documents:
+            return None  # the ring_sp core attention rotates each token by its document position
+        emb = self._table(max_seq_len, offset)
         group = cp_group if cp_group is not None else self.cp_group
         if group is not None and group.size() > 1 and not packed_seq:
             positions = layout_positions(unpacked_layout(self.layout), group.size(), max_seq_len)[group.rank()]
             emb = emb.index_select(0, positions.to(emb.device))
-        emb = emb[:, None, None, :]
-        self._last = ((max_seq_len, offset, packed_seq), emb)
-        return emb
+        return emb[:, None, None, :]
+
+    def document_angles(self, cu_seqlens: Boundaries, layout: str, sp_size: int, sp_rank: int) -> torch.Tensor:
+        """The angles ``[N / sp_size, 1, 1, rotary_dim]`` of this rank's THD shard: token j of
+        the shard (``layout`` over ``sp_size`` ranks of the packed row with document boundaries
+        ``cu_seqlens``, ``N = cu_seqlens[-1]``) at its position inside its document, as if the
+        document ran alone from position 0. Any document lengths. Cached for the last packing
+        (every layer of a step asks for the same one)."""
+        key = (cu_seqlens, layout, sp_size, sp_rank)
+        if self._last_documents is not None and self._last_documents[0] == key:
+            return self._last_documents[1]
+        positions = ring_sp.shard_sequence(ring_sp.document_positions(cu_seqlens), rank=sp_rank, world_size=sp_size,
+                                           layout=layout, dim=0, cu_seqlens=cu_seqlens)
+        longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+        angles = self._table(longest).index_select(0, positions.to(self.device))[:, None, None, :]
+        self._last_documents = (key, angles)
+        return angles
 
 
 def check_thd_rope_documents(params, cp_size: int) -> None:
@@ -94,19 +137,30 @@ def check_thd_rope_documents(params, cp_size: int) -> None:
     if bad is not None:
         raise ValueError(
             f"packed_seq_params: document {bad} has {lengths[bad]} tokens, not a multiple of 2 x context-parallel "
-            f"size = {2 * cp_size}; megatron-core's THD RoPE slices every document into 2 x CP equal chunks. Pad "
-            f"each document (thd_batch_on_this_cp_rank(..., per_document_padding=True), the default), or train "
-            f"without rotary embeddings (position_embedding_type='learned_absolute' or 'none') to keep documents unpadded"
+            f"size = {2 * cp_size}; megatron-core's THD RoPE slices every document into 2 x CP equal chunks. Use "
+            f"ring_sp's core attention in every layer (get_gpt_layer_ring_sp_spec) and install_layout_rope(model), "
+            f"which rotate each token by its position inside its document (any length); or pad each document "
+            f"(thd_batch_on_this_cp_rank(..., per_document_padding=True)); or train without rotary embeddings "
+            f"(position_embedding_type='learned_absolute' or 'none')"
         )
 
 
 def install_layout_rope(model: nn.Module, *, layout: str = "zigzag", device: torch.device | str | None = None) -> None:
     """Replace ``model.rotary_pos_emb`` (a megatron-core ``GPTModel``) by :class:`LayoutRotaryEmbedding`.
 
-    Needed on CPU (megatron-core's RoPE calls CUDA) and for layouts other than zigzag and
-    document_zigzag; on GPUs with those two Megatron's own RoPE gives the same angles.
-    ``device`` defaults to the model's parameters' device.
+    Needed on CPU (megatron-core's RoPE calls CUDA), for layouts other than zigzag and
+    document_zigzag, and for packed (THD) documents of any length: when every attention
+    layer's ``core_attention`` is a :class:`~.core_attention.RingSPCoreAttention`, each is
+    handed the rotary and rotates THD query/key itself by the positions of its shard inside
+    their documents (megatron-core's THD RoPE needs documents of multiples of ``2 x CP``).
+    ``device`` defaults to the model's parameters' device. Raises ``ValueError`` for
+    ``apply_rope_fusion=True`` where TransformerEngine's fused RoPE cannot run (CPU, or
+    TransformerEngine missing), and for a mix of ring_sp and other core attentions.
     """
+    from megatron.core.transformer.attention import Attention
+
+    from .core_attention import RingSPCoreAttention
+
     rotary = getattr(model, "rotary_pos_emb", None)
     if rotary is None:
         raise ValueError("model has no rotary_pos_emb: build GPTModel with position_embedding_type='rope'")
@@ -114,4 +168,30 @@ def install_layout_rope(model: nn.Module, *, layout: str = "zigzag", device: tor
         rotary = rotary.rotary
     if device is None:
         device = next(model.parameters()).device
-    model.rotary_pos_emb = LayoutRotaryEmbedding(rotary, layout=layout, cp_group=rotary.cp_group, device=device)
+    _check_rope_fusion(model.config, torch.device(device))
+    layout_rope = LayoutRotaryEmbedding(rotary, layout=layout, cp_group=rotary.cp_group, device=device)
+    cores = [m.core_attention for m in model.modules() if isinstance(m, Attention)]
+    ours = [c for c in cores if isinstance(c, RingSPCoreAttention)]
+    if ours and len(ours) != len(cores):
+        raise ValueError(
+            f"{len(ours)} of the model's {len(cores)} attention layers use RingSPCoreAttention: with rotary "
+            f"embeddings on packed (THD) batches either every layer or none must, since ring_sp's layers rotate "
+            f"their own query/key; build every layer from get_gpt_layer_ring_sp_spec"
+        )
+    for core in ours:
+        core.use_document_rope(layout_rope)
+    layout_rope.rotates_documents = bool(ours)
+    model.rotary_pos_emb = layout_rope
+
+
+def _check_rope_fusion(config, device: torch.device) -> None:
+    """``apply_rope_fusion`` runs TransformerEngine's CUDA kernel: refuse it where it cannot run."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if getattr(config, "apply_rope_fusion", False) and (device.type != "cuda" or rope_utils.fused_apply_rotary_pos_emb is None):
+        where = "on CPU" if device.type != "cuda" else "without TransformerEngine"
+        raise ValueError(
+            f"apply_rope_fusion=True (TransformerConfig; Megatron-LM's default, turned off by --no-rope-fusion) "
+            f"needs TransformerEngine's fused RoPE on CUDA and cannot run {where}; set apply_rope_fusion=False "
+            f"(--no-rope-fusion)"
+        )

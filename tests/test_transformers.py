@@ -260,7 +260,7 @@ def test_shard_batch_takes_data_collator_with_flattening() -> None:
     docs = [[11, 12, 13], [21, 22], [31, 32, 33, 34]]
     batch = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
     shard = rsp_hf.shard_batch(batch, None)
-    assert sorted(shard) == ["cu_seq_lens_k", "cu_seq_lens_q", "input_ids", "position_ids", "shift_labels"]
+    assert sorted(shard) == ["cu_seq_lens_k", "cu_seq_lens_q", "input_ids", "position_ids", "ring_sp_shard", "shift_labels"]
     assert shard["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and shard["cu_seq_lens_q"].dtype == torch.int32
     assert shard["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
     assert shard["shift_labels"].tolist() == [[12, 13, -100, 22, -100, 32, 33, 34, -100]]
@@ -275,7 +275,7 @@ def test_shard_batch_flattens_packed_rows_and_keeps_plain_rows() -> None:
     assert packed["input_ids"].tolist() == [list(range(12))] and packed["cu_seq_lens_q"].tolist() == [0, 3, 6, 12]
     plain = rsp_hf.shard_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                                 "position_ids": torch.arange(6).unsqueeze(0)}, None)
-    assert sorted(plain) == ["input_ids", "position_ids", "shift_labels"]
+    assert sorted(plain) == ["input_ids", "position_ids", "ring_sp_shard", "shift_labels"]
     assert plain["shift_labels"].tolist() == [[1, 2, 3, 4, 5, -100], [7, 8, 9, 10, 11, -100]]
     assert plain["position_ids"].tolist() == [list(range(6))] * 2
 

@@ -14,7 +14,8 @@ config part (:class:`RingSPConfig`) works without DeepSpeed installed.
 """
 
 from .config import SECTION, RingSPConfig
-from .data import PackingCollator, ShardingCollator, sequence_parallel_dataloader, sequence_parallel_sampler
+from .data import (PackingCollator, ShardingCollator, sequence_parallel_dataloader, sequence_parallel_eval_sampler,
+                   sequence_parallel_sampler)
 from .engine import build_topology, initialize, load_config
 from .loss import cross_entropy, gradients_averaged_over_sp
 from .mpu import SequenceParallelMPU
@@ -31,5 +32,6 @@ __all__ = [
     "initialize",
     "load_config",
     "sequence_parallel_dataloader",
+    "sequence_parallel_eval_sampler",
     "sequence_parallel_sampler",
 ]

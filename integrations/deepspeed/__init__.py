@@ -17,7 +17,7 @@ from .config import SECTION, RingSPConfig
 from .data import (PackingCollator, ShardingCollator, sequence_parallel_dataloader, sequence_parallel_eval_sampler,
                    sequence_parallel_sampler)
 from .engine import build_topology, initialize, load_config
-from .loss import cross_entropy, gradients_averaged_over_sp
+from .loss import cross_entropy, evaluation_loss, gradients_averaged_over_sp
 from .mpu import SequenceParallelMPU
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "ShardingCollator",
     "build_topology",
     "cross_entropy",
+    "evaluation_loss",
     "gradients_averaged_over_sp",
     "initialize",
     "load_config",

@@ -267,37 +267,20 @@ class SequenceParallelTrainer(Trainer):
         if not loss_only:
             raise ValueError(f"SequenceParallelTrainer.{'predict' if description == 'Prediction' else 'evaluate'} "
                              f"without prediction_loss_only with the {rsp_ds.SECTION!r} section: {_NO_LOGITS}")
-        topology = self.ring_sp_topology
-        model, device = self.model, self.args.device
-        # every rank must run the same number of forwards (ZeRO-3 gathers parameters over DP x SP in each)
-        steps = torch.tensor(len(dataloader), device=device)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=topology.dp_sp_group)
-        totals = torch.zeros(3, dtype=torch.float64, device=device)  # token-loss sum, valid tokens, samples
+        model = self.model
+
+        def loss_sum_of(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            loss_sum, count, _ = self._shard_loss_sum(model, self._prepare_inputs(batch))
+            return loss_sum, count
+
         was_training = model.training
         model.eval()
-        batches, inputs = iter(dataloader), None
         try:
-            for _ in range(int(steps)):
-                batch = next(batches, None)
-                if batch is None and inputs is None:
-                    raise ValueError(
-                        f"the evaluation set gives this data-parallel replica no batch ({len(dataloader.sampler)} "
-                        f"samples, batch size {self.args.eval_batch_size}) while others have some; use an evaluation "
-                        f"set of at least {topology.dp_size} x per_device_eval_batch_size samples")
-                counted = batch is not None
-                inputs = self._prepare_inputs(batch) if counted else inputs  # a replica out of batches repeats its last, uncounted
-                with torch.no_grad():
-                    loss_sum, count, _ = self._shard_loss_sum(model, inputs)
-                if counted:
-                    totals += torch.stack((loss_sum.double(), count.double(),
-                                           torch.tensor(inputs["input_ids"].shape[0], dtype=torch.float64, device=device)))
+            loss, _ = rsp_ds.evaluation_loss(dataloader, loss_sum_of, self.ring_sp_topology, device=self.args.device)
         finally:
             model.train(was_training)
-        totals[2] /= topology.sp_size  # every SP rank of a replica counted the same samples
-        dist.all_reduce(totals, group=topology.dp_sp_group)
-        loss = (totals[0] / totals[1].clamp(min=1)).item()
         return EvalLoopOutput(predictions=None, label_ids=None, metrics={f"{metric_key_prefix}_loss": loss},
-                              num_samples=round(totals[2].item()))
+                              num_samples=self.num_examples(dataloader))
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
         loader = super().get_eval_dataloader(eval_dataset)

@@ -20,6 +20,15 @@ from torch.utils.data import default_collate
 from ring_sp import SequenceParallelTopology, shard_batch
 
 
+def _replicas(topology: SequenceParallelTopology | None) -> tuple[int, int]:
+    """(data-parallel replicas, this rank's replica): ``topology``'s, else every rank of the default group its own."""
+    if topology is not None:
+        return topology.dp_size, topology.dp_rank
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
 def sequence_parallel_sampler(
     dataset: Dataset,
     topology: SequenceParallelTopology | None,
@@ -35,12 +44,7 @@ def sequence_parallel_sampler(
     group, or one replica when torch.distributed is not initialised). Call
     ``set_epoch(epoch)`` each epoch as for any ``DistributedSampler``.
     """
-    if topology is not None:
-        replicas, rank = topology.dp_size, topology.dp_rank
-    elif dist.is_available() and dist.is_initialized():
-        replicas, rank = dist.get_world_size(), dist.get_rank()
-    else:
-        replicas, rank = 1, 0
+    replicas, rank = _replicas(topology)
     return DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
 
 
@@ -65,12 +69,7 @@ class ReplicaSlice(torch.utils.data.Sampler[int]):
 def sequence_parallel_eval_sampler(dataset: Dataset, topology: SequenceParallelTopology | None) -> ReplicaSlice:
     """The evaluation sampler over ``topology``'s data-parallel replicas (:class:`ReplicaSlice`):
     every sample of ``dataset`` exactly once, in order. ``topology=None``: over the default group."""
-    if topology is not None:
-        replicas, rank = topology.dp_size, topology.dp_rank
-    elif dist.is_available() and dist.is_initialized():
-        replicas, rank = dist.get_world_size(), dist.get_rank()
-    else:
-        replicas, rank = 1, 0
+    replicas, rank = _replicas(topology)
     return ReplicaSlice(len(dataset), replicas, rank)
 
 

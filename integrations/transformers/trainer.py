@@ -27,8 +27,12 @@ The collator still returns GLOBAL batches (``input_ids``, ``labels``, optional
   gradient-accumulation micro-batch, every rank) and the loss is the token mean over them,
   as the Trainer does without SP, with the backward scaled for the ZeRO stage's reduction.
 
-Not supported (each raises when the Trainer is built): evaluation/prediction under SP
-(logits are sharded), ``compute_loss_func``, label smoothing, ``batch_rebalance``
+* evaluation: ``evaluate()`` (also ``eval_strategy="steps"``) returns the exact eval loss,
+  the token mean over the whole eval set (:meth:`SequenceParallelTrainer.evaluation_loop`).
+
+Not supported (each raises when the Trainer is built): ``compute_metrics`` and ``predict()``
+without ``prediction_loss_only`` (the logits are sharded; raises when called),
+``compute_loss_func``, label smoothing, ``batch_rebalance``
 or ``group_by_length`` sampling, IterableDatasets, accelerate's ``split_batches`` /
 ``dispatch_batches``, DataParallel (``n_gpu > 1``).
 """

@@ -61,8 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-steps", type=int, default=0, help="a Trainer checkpoint (DeepSpeed state) every N steps; 0: none")
     p.add_argument("--resume", metavar="CHECKPOINT", help="resume_from_checkpoint (a checkpoint-N folder of --save-steps)")
     p.add_argument("--eval-steps", type=int, default=0,
-                   help="evaluate on held-out text every N steps (eval_strategy='steps'): the exact eval loss; 0: never")
-    p.add_argument("--eval-samples", type=int, default=16, help="held-out samples per evaluation")
+                   help="evaluate on --eval-samples held-out samples every N steps (eval_strategy='steps'): the exact "
+                        "eval loss; 0: never")
     return p.parse_args(argv)
 
 

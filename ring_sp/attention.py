@@ -20,6 +20,8 @@ The input layout is defined over the whole SP group with
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 import torch.distributed as dist
 
@@ -154,8 +156,7 @@ def _attention(
     if _size(agreement_group) > 1:
         signature = CallSignature.of(q, k, v, ulysses_size=_size(ulysses_group), ring_size=_size(ring_group),
                                      cu_seqlens=boundaries, sinks=sinks, **options)
-        device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-        agree(agreement_group, signature, error, always=always, device=device)
+        agree(agreement_group, signature, error, always=always, device=_device(q))
     if error is not None:
         raise error
     # Everything the result depends on besides the values of q, k, v (ring_sp.recompute);
@@ -165,6 +166,34 @@ def _attention(
            *((t.shape, t.dtype, t.stride()) for t in (q, k, v)), q.device, sinks_key)
     recompute = recompute_plan(q, k, v, key, reuse)
     return sequence_parallel_attention(q, k, v, ring, ulysses, recompute, sinks)
+
+
+def _device(q: object) -> torch.device:
+    return q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+
+
+def raise_on_every_rank(error: Exception, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        topology: SequenceParallelTopology, causal: bool, layout: str, softmax_scale: float | None,
+                        backend: str, cu_seqlens: Boundaries | None = None, sinks: torch.Tensor | None = None,
+                        sliding_window: int | None = None, validate: bool | None = None,
+                        kv_exchange: str = "ring") -> NoReturn:
+    """Raise ``error``, which an integration found checking THIS rank's inputs of a
+    :func:`hybrid_attention` call it was about to make (same arguments).
+
+    An input that is wrong on one rank only (another rank's shard, say) would leave the
+    peers waiting in the call's first collective until the group's timeout. With
+    validation on (``validate=True`` or ``RING_SP_VALIDATE=1``) this rank first joins the
+    call's agreement (:mod:`ring_sp.agreement`) with the error, so every rank of the SP
+    group raises the same ``ValueError`` naming this rank; without it, it raises here, as
+    any local argument error of :func:`hybrid_attention` does.
+    """
+    if validation_requested(validate) and topology.sp_size > 1:
+        signature = CallSignature.of(q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
+                                     ulysses_size=topology.ulysses_size, ring_size=topology.ring_size,
+                                     cu_seqlens=cu_seqlens, sinks=sinks, sliding_window=sliding_window,
+                                     kv_exchange=kv_exchange)
+        agree(topology.sp_group, signature, error, always=True, device=_device(q))
+    raise error
 
 
 def _group_or_world(group: dist.ProcessGroup | None, name: str = "group") -> dist.ProcessGroup:

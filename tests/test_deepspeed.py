@@ -329,6 +329,7 @@ def passthrough_and_errors_case(config_path: str) -> dict[str, Any]:
         "grid": (ex.GPT(ex.GPTConfig(**MODEL), topology), {"ring_sp": {"ring_size": 4}}),
         "layout": (ex.GPT(ex.GPTConfig(**MODEL), topology), {"ring_sp": {"ulysses_size": 2, "ring_size": 2, "layout": "contiguous"}}),
         "mpu": (ex.GPT(ex.GPTConfig(**MODEL), topology), {"ring_sp": {"ulysses_size": 2, "ring_size": 2}}),
+        "no_section": (ex.GPT(ex.GPTConfig(**MODEL), topology), {}),  # a ring_sp model, DeepSpeed left to think it DP
     }
     for name, (net, section) in cases.items():
         config = {"train_micro_batch_size_per_gpu": 1, **section}
@@ -433,6 +434,8 @@ def test_without_section_is_plain_deepspeed_and_bad_sections_raise_everywhere(po
         assert "ring_sp.ulysses_size=1 but the model's attention topology has ulysses_size=2" in errors["grid"]
         assert "ring_sp.layout='contiguous' but module 'blocks.0.attn.core' was built with layout='zigzag'" in errors["layout"]
         assert "mpu= cannot be combined with the 'ring_sp' config section" in errors["mpu"]
+        assert ("module 'blocks.0.attn.core' is a ring_sp.SequenceParallelAttention, but the DeepSpeed config passed to "
+                'initialize is not sequence parallel (it has no "ring_sp" section)') in errors["no_section"], errors
 
 
 def _run_example(*args: str) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import re
 import subprocess
 import sys
 from typing import Any
@@ -261,7 +262,7 @@ def test_shard_batch_takes_data_collator_with_flattening() -> None:
     docs = [[11, 12, 13], [21, 22], [31, 32, 33, 34]]
     batch = DataCollatorWithFlattening(return_tensors="pt", return_flash_attn_kwargs=True)([{"input_ids": d} for d in docs])
     shard = rsp_hf.shard_batch(batch, None)
-    assert sorted(shard) == ["cu_seq_lens_k", "cu_seq_lens_q", "input_ids", "position_ids", "shift_labels"]
+    assert sorted(shard) == ["cu_seq_lens_k", "cu_seq_lens_q", "input_ids", "position_ids", "ring_sp_shard", "shift_labels"]
     assert shard["cu_seq_lens_q"].tolist() == [0, 3, 5, 9] and shard["cu_seq_lens_q"].dtype == torch.int32
     assert shard["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
     assert shard["shift_labels"].tolist() == [[12, 13, -100, 22, -100, 32, 33, 34, -100]]
@@ -276,7 +277,7 @@ def test_shard_batch_flattens_packed_rows_and_keeps_plain_rows() -> None:
     assert packed["input_ids"].tolist() == [list(range(12))] and packed["cu_seq_lens_q"].tolist() == [0, 3, 6, 12]
     plain = rsp_hf.shard_batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                                 "position_ids": torch.arange(6).unsqueeze(0)}, None)
-    assert sorted(plain) == ["input_ids", "position_ids", "shift_labels"]
+    assert sorted(plain) == ["input_ids", "position_ids", "ring_sp_shard", "shift_labels"]
     assert plain["shift_labels"].tolist() == [[1, 2, 3, 4, 5, -100], [7, 8, 9, 10, 11, -100]]
     assert plain["position_ids"].tolist() == [list(range(6))] * 2
 
@@ -538,8 +539,6 @@ _EXPECTED = {
 
 
 def test_unsupported_features_raise_on_every_rank_before_any_collective(pools) -> None:
-    import re
-
     results = pools.get(4).run(unsupported_features_case, timeout=300)
     for rank, res in enumerate(results):
         assert res["dropout_in_eval"][0] == "no error", f"rank {rank}: {res['dropout_in_eval']}"
@@ -549,6 +548,52 @@ def test_unsupported_features_raise_on_every_rank_before_any_collective(pools) -
             assert re.search(pattern, message), f"rank {rank}, {name}: {message}"
             assert name == "local_positions" or 'attn_implementation="ring_sp" does not support yet' in message
             assert calls == 0, f"rank {rank}, {name}: {calls} collectives before the error"
+
+
+# ---------------------------------------------------------------- generation
+
+def generation_case() -> dict[str, Any]:
+    """generate() at U2xR2 raises before any collective; the way out (sdpa) generates what a model that never
+    ran ring_sp generates, and back on ring_sp the training step equals one rank's; at SP size 1 generate() works."""
+    import dist_cases
+    import ring_sp.integrations.transformers as rsp_hf
+
+    topo = dist_cases.topology(2, 2)
+    rsp_hf.register(topo)
+    reference, model = _models("llama", torch.float32, "from_config")
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    expected = reference.generate(prompt, **options)
+    out: dict[str, Any] = {}
+    with _CountCollectives() as counter:
+        try:
+            model.generate(prompt, **options)
+            out["error"] = "no error"
+        except rsp_hf.UnsupportedFeatureError as exc:
+            out["error"] = str(exc)
+    out["collectives"] = counter.calls
+    model.set_attn_implementation("sdpa")  # the way out, and back
+    out["sdpa_generates_the_same"] = torch.equal(model.generate(prompt, **options), expected)
+    model.set_attn_implementation("ring_sp")
+    batch = _global_batch(packed=True)
+    ref_logits, ref_loss, ref_grads = _reference_run(reference, batch)
+    shard, gathered, loss, grads = _sp_run(model, batch, topo)
+    out["train"] = _errors(ref_logits, gathered, shard, batch, ref_loss, loss, ref_grads, grads)
+    rsp_hf.register(dist_cases.topology(1, 1))  # SP group of one rank (every rank its own replica)
+    try:
+        out["one_rank_generates_the_same"] = torch.equal(model.generate(prompt, **options), expected)
+    finally:
+        rsp_hf.register(topo)
+    return out
+
+
+def test_generate_raises_before_the_prefill_and_the_sdpa_round_trip_trains_on(pools) -> None:
+    for rank, res in enumerate(pools.get(4).run(generation_case, timeout=300)):
+        assert re.search(r"cannot generate\(\) with attn_implementation=\"ring_sp\" on 4 sequence-parallel ranks.*"
+                         r"model.set_attn_implementation\(\"sdpa\"\)", res["error"]), res["error"]
+        assert res["collectives"] == 0, f"rank {rank}: {res['collectives']} collectives before the error"
+        assert res["sdpa_generates_the_same"] and res["one_rank_generates_the_same"], res
+        _check_fp32([res["train"]])
 
 
 # ---------------------------------------------------------------- DeepSpeed: initialize adopts the registration
@@ -585,6 +630,16 @@ def deepspeed_case(stage: int, packed: bool) -> dict[str, Any]:
     engine.backward(loss)
     grads = {n: safe_get_full_grad(p).detach().float().clone() for n, p in engine.module.named_parameters()}
     errors = {}
+    try:  # transformers' own loss on a shard: shifted inside the shard, averaged over this rank
+        engine(**{k: v for k, v in shard.items() if k != "shift_labels"}, labels=shard["input_ids"])
+    except ValueError as exc:
+        errors["labels"] = str(exc)
+    plain = {k: v for k, v in config.items() if k != "ring_sp"}
+    for key, bad_config in (("no_section", plain), ("disabled", {**config, "ring_sp": {**config["ring_sp"], "enabled": False}})):
+        try:  # a ring_sp model under a DeepSpeed config that is not sequence parallel
+            rsp_ds.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=bad_config)
+        except ValueError as exc:
+            errors[key] = str(exc)
     for key in ("layout", "ulysses_size"):  # a section that disagrees with the registration
         bad = {**config, "ring_sp": {**config["ring_sp"], **({"layout": "contiguous"} if key == "layout" else {"ulysses_size": 4, "ring_size": 1})}}
         try:
@@ -604,6 +659,11 @@ def test_deepspeed_engine_adopts_registration(pools, stage: int, packed: bool) -
         assert "ring_sp.layout='contiguous' but module 'attn_implementation=\"ring_sp\"' was built with layout='zigzag'" \
             in res["errors"]["layout"], res["errors"]
         assert "ring_sp.ulysses_size=4 but the model's attention topology has ulysses_size=2" in res["errors"]["ulysses_size"]
+        assert "was given labels=Tensor(shape=(1, 8)) (and no shift_labels) while it runs on 4 sequence-parallel" \
+            in res["errors"]["labels"], res["errors"]
+        assert 'the model uses attn_implementation="ring_sp", but the DeepSpeed config passed to initialize is not ' \
+            'sequence parallel (it has no "ring_sp" section)' in res["errors"]["no_section"], res["errors"]
+        assert '(its "ring_sp" section has "enabled": false)' in res["errors"]["disabled"], res["errors"]
 
 
 # ---------------------------------------------------------------- the example: SP = 2 x 2 vs one rank with sdpa
@@ -627,9 +687,11 @@ def test_example_trains_and_saves_a_plain_checkpoint(tmp_path) -> None:
     save_pretrained checkpoint loads in plain transformers."""
     from transformers import AutoModelForCausalLM
 
-    sp = _run_example(*_TINY, "--save-pretrained", str(tmp_path))
+    lines = _run_example(*_TINY, "--save-pretrained", str(tmp_path), "--eval-interval", "3", "--eval-samples", "4")
+    sp = [r for r in lines if "loss" in r]
     assert [r["step"] for r in sp] == [1, 2, 3] and all(r["tokens_per_s"] > 0 for r in sp)
     assert sp[-1]["loss"] < sp[0]["loss"] - 0.2, sp
+    assert [(r["step"], r["eval_loss"] > 0) for r in lines if "eval_loss" in r] == [(3, True)], lines
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads == 2
 
@@ -638,12 +700,15 @@ def test_example_trains_and_saves_a_plain_checkpoint(tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
 def test_example_sp_2x2_matches_one_rank_sdpa(packed: bool) -> None:
-    """The example's loss curve at U2 x R2 on 4 ranks equals sdpa on one rank, step for step (~3 min)."""
+    """The example's loss curve and its held-out loss every 2 steps (--eval-interval) at U2 x R2 on 4 ranks
+    equal sdpa on one rank, step for step (~3 min)."""
     args = _TINY if packed else [a for a in _TINY if a != "--pack-documents"]
+    args = [*args, "--eval-interval", "2", "--eval-samples", "6"]
     sp, one = _run_example(*args), _run_example(*args, "--no-ring-sp", ranks=1)
-    assert [r["step"] for r in sp] == [r["step"] for r in one] == [1, 2, 3]
+    assert [r["step"] for r in sp] == [r["step"] for r in one] == [1, 2, 2, 3, 3]
     for a, b in zip(sp, one):
-        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (sp, one)
+        key = "loss" if "loss" in b else "eval_loss"
+        assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (sp, one)
 
 
 # ---------------------------------------------------------------- the figures of the issue note

@@ -74,14 +74,20 @@ def train_case(argv: list[str], output_dir: str, resume: str | None = None) -> d
     trainer.add_callback(trained)
     trainer.train(resume_from_checkpoint=resume)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    evals = [(entry["step"], entry["eval_loss"]) for entry in trainer.state.log_history if "eval_loss" in entry]
     params = {}
     for name, p in trainer.model_wrapped.module.named_parameters():
         full = safe_get_full_fp32_param(p)
         params[name] = (p if full is None else full).detach().clone()
     topology = trainer.ring_sp_topology
-    return {
+    final = {}
+    if trainer.eval_dataset is not None:
+        final["final_eval"] = trainer.evaluate()["eval_loss"]
+        if topology is None:
+            final["token_mean"] = _token_mean(trainer)
+    return {**final,
         "steps": [entry["step"] for entry in logs], "loss": [entry["loss"] for entry in logs], "trained": trained.steps,
-        "grad_norm": [entry["grad_norm"] for entry in logs], "params": params,
+        "grad_norm": [entry["grad_norm"] for entry in logs], "params": params, "evals": evals,
         "dp_size": None if topology is None else topology.dp_size,
         "zero_stage": trainer.model_wrapped.zero_optimization_stage(),
         "engine_topology_is_registered": topology is not None and trainer.model_wrapped.ring_sp_topology is topology,
@@ -89,11 +95,25 @@ def train_case(argv: list[str], output_dir: str, resume: str | None = None) -> d
     }
 
 
+def _token_mean(trainer: Any) -> float:
+    """The held-out set's next-token loss as one token mean, computed here without SP (the oracle of evaluate())."""
+    total, count = 0.0, 0
+    model = trainer.model.eval()
+    with torch.no_grad():
+        for batch in trainer.get_eval_dataloader():
+            labels = batch.pop("labels")[:, 1:]  # HF: the collator marks each packed document's first token -100
+            logits = model(**{k: v for k, v in batch.items() if k in ("input_ids", "position_ids")}).logits[:, :-1]
+            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(),
+                                                       reduction="sum").item()
+            count += int((labels != -100).sum())
+    return total / count
+
+
 def _rel(got: float, want: float) -> float:
     return abs(got - want) / max(abs(want), 1e-12)
 
 
-def _compare(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
+def _compare(results: list[dict[str, Any]], ref: dict[str, Any], *, evals: bool = True) -> None:
     assert ref["steps"] == [1, 2, 3], ref["steps"]
     assert ref["loss"][-1] < ref["loss"][0] - 0.1, ref["loss"]  # it trains
     assert max(ref["grad_norm"]) > 1.0  # so DeepSpeed's clipping ran, on the norm over all DP x SP ranks
@@ -106,6 +126,10 @@ def _compare(results: list[dict[str, Any]], ref: dict[str, Any]) -> None:
         assert res["params"].keys() == ref["params"].keys()
         worst = max(((res["params"][n] - w).norm() / w.norm()).item() for n, w in ref["params"].items())
         assert worst < 1e-5, worst
+        # the eval loss after every step (eval_strategy="steps"): the exact token mean over the held-out set
+        assert [step for step, _ in res["evals"]] == [step for step, _ in ref["evals"]]
+        assert not evals or all(_rel(got, want) < 1e-5 for (_, got), (_, want) in zip(res["evals"], ref["evals"])), \
+            (res["evals"], ref["evals"])
 
 
 @pytest.mark.parametrize("stage,grid,micro,pack", [(1, ("2", "2"), 2, False), (3, ("1", "2"), 1, False),
@@ -121,7 +145,10 @@ def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tup
     hold unequal numbers of valid tokens) against sdpa's own packed-sequence masking.
     """
     _example()  # the rank functions import it by module name
-    common = [*TINY, "--zero-stage", str(stage), *(["--pack-documents"] if pack else [])]
+    # held-out windows hold equal numbers of tokens, so the plain Trainer's eval_loss (a mean of batch means) is the
+    # token mean too; packed batches do not, so there only the final evaluate() is compared (with the token mean)
+    evaluate = ["--eval-steps", "1", "--eval-samples", "8"]
+    common = [*TINY, "--zero-stage", str(stage), *(["--pack-documents"] if pack else []), *evaluate]
     sp = pools.get(4, env=DS_ENV).run(
         train_case, [*common, "--ulysses-size", grid[0], "--ring-size", grid[1], "--micro-batch", str(micro)],
         str(tmp_path / "sp"), timeout=300)
@@ -130,7 +157,10 @@ def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tup
     assert all(res["zero_stage"] == stage for res in sp)
     (ref,) = pools.get(1, env=DS_ENV).run(
         train_case, [*common, "--no-ring-sp", "--micro-batch", str(micro * dp)], str(tmp_path / "ref"), timeout=300)
-    _compare(sp, ref)
+    _compare(sp, ref, evals=not pack)
+    assert [step for step, _ in ref["evals"]] == [1, 2, 3]
+    for res in sp:  # the final evaluate(): the exact token mean of the held-out set, packed or not
+        assert _rel(res["final_eval"], ref["token_mean"]) < 1e-5, (res["final_eval"], ref["token_mean"])
 
 
 class _Stream(torch.utils.data.IterableDataset):
@@ -182,9 +212,9 @@ def errors_case() -> dict[str, str]:
     refused("sampling", train_sampling_strategy="group_by_length")
     refused("iterable", train_dataset=_Stream())
     try:
-        trainer.evaluate(eval_dataset=data)
+        trainer.predict(torch.utils.data.Subset(data, range(2)))
     except ValueError as exc:
-        errors["evaluate"] = str(exc)
+        errors["predict"] = str(exc)
     return errors
 
 
@@ -192,10 +222,11 @@ def test_unsupported_setups_raise(pools) -> None:
     _example()
     (errors,) = pools.get(1, env=DS_ENV).run(errors_case, timeout=300)
     assert "the model's attn_implementation is 'sdpa'; build it with attn_implementation=\"ring_sp\"" in errors["attention"]
-    assert "does not support compute_metrics" in errors["metrics"]
+    assert "does not support compute_metrics" in errors["metrics"] and "evaluate() gives the exact eval loss" in errors["metrics"]
     assert "does not support train_sampling_strategy='group_by_length'" in errors["sampling"]
     assert "does not support an IterableDataset" in errors["iterable"]
-    assert "SequenceParallelTrainer.evaluate is not supported" in errors["evaluate"]
+    assert "SequenceParallelTrainer.predict without prediction_loss_only" in errors["predict"]
+    assert "save the model (trainer.save_model) and predict with it on one rank" in errors["predict"]
 
 
 def test_example_runs_and_saves_a_plain_transformers_model(tmp_path: Path) -> None:

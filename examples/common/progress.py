@@ -39,6 +39,14 @@ class Progress:
         if step >= self.total:
             self.close()
 
+    def log(self, step: int, **values: float) -> None:
+        """One more JSON line for ``step`` (e.g. ``eval_loss``), with ``--log-json``; on the bar otherwise."""
+        if not self.enabled:
+            return
+        if self.log_json:
+            print(json.dumps({"step": step, **{k: round(v, 6) for k, v in values.items()}}), flush=True)
+        self._bar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in values.items()), file=sys.stderr)
+
     def close(self) -> None:
         """End the bar's line (idempotent)."""
         self._bar.close()

@@ -16,7 +16,9 @@ of the text stream: attention stays inside each document (``cu_seqlens``), posit
 restart per document, and ``--layout document_zigzag`` keeps every rank's work equal.
 
 Prints a progress bar (loss, tokens/s) on stderr and, with ``--log-json``, one JSON object
-per step on stdout. ``--save DIR`` / ``--load DIR`` use DeepSpeed checkpoints, which do
+per step on stdout. ``--eval-interval K`` adds, every K steps and after the last, the exact
+loss on held-out text (``{"step", "eval_loss"}``: the token mean over ``--eval-samples``
+samples, each once over the data-parallel replicas, ``ring_sp.integrations.deepspeed.evaluation_loss``). ``--save DIR`` / ``--load DIR`` use DeepSpeed checkpoints, which do
 not depend on ``U x R`` (the attention has no parameters): resume under another grid.
 """
 
@@ -208,6 +210,9 @@ def common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-bytes", type=int, default=1_000_000)
     p.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
+    p.add_argument("--eval-interval", type=int, default=0,
+                   help="every K steps (and after the last), the exact loss on held-out text; 0: never")
+    p.add_argument("--eval-samples", type=int, default=16, help="held-out samples per evaluation")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
     return p
 
@@ -276,6 +281,35 @@ def training_dataset(args: argparse.Namespace) -> torch.utils.data.Dataset:
     return TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len)
 
 
+def held_out_dataset(args: argparse.Namespace) -> torch.utils.data.Dataset:
+    """The first ``--eval-samples`` held-out samples, in the form of :func:`training_dataset`'s."""
+    if args.pack_documents:
+        documents = corpus_documents(args.corpus_bytes)
+        held_out = PackedDocuments(documents[int(len(documents) * 0.95):], args.seq_len)
+    else:
+        held_out = TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[1], args.seq_len)
+    return torch.utils.data.Subset(held_out, range(min(args.eval_samples, len(held_out))))
+
+
+def eval_loss(engine: Any, loader: torch.utils.data.DataLoader,
+              loss_sum_of: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+              topology: ring_sp.SequenceParallelTopology | None) -> float:
+    """The exact held-out loss (the token mean over every sample of ``loader``'s set, all ranks)."""
+    engine.eval()
+    try:
+        return rsp_ds.evaluation_loss(
+            loader, lambda batch: loss_sum_of({k: v.to(engine.device) for k, v in batch.items()}), topology,
+            device=engine.device)[0]
+    finally:
+        engine.train()
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of the shard's next-token losses, its valid-token count); labels already shifted."""
+    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    return loss_sum, (labels != -100).sum()
+
+
 def train_step(engine: Any, batches: Iterator[dict[str, torch.Tensor]], loss_of: Callable[[dict[str, torch.Tensor]], torch.Tensor],
                dp_group: dist.ProcessGroup | None) -> float:
     """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the loss averaged over the DP replicas."""
@@ -335,8 +369,18 @@ def main(argv: list[str] | None = None) -> None:
     def loss_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return loss_fn(engine(batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens")), batch["labels"], engine)
 
+    held_out = held_out_dataset(args)
+    eval_loader = torch.utils.data.DataLoader(  # each held-out sample once over the replicas
+        held_out, batch_size=micro, sampler=rsp_ds.sequence_parallel_eval_sampler(held_out, topology),
+        collate_fn=loader.collate_fn)
+
+    def eval_sum_of(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_loss_sum(engine(batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens")), batch["labels"])
+
     for step in range(start_step + 1, args.steps + 1):
         progress.step(step, train_step(engine, batches, loss_of, dp_group), tokens=samples_per_step * args.seq_len)
+        if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps):
+            progress.log(step, eval_loss=eval_loss(engine, eval_loader, eval_sum_of, topology))
         if args.save and (step == args.steps or (args.save_interval and step % args.save_interval == 0)):
             engine.save_checkpoint(args.save, client_state={"step": step})
 

@@ -17,6 +17,8 @@ model, shard each GLOBAL batch with ``shard_batch``, and take the loss from
 ``DataCollatorWithFlattening`` (position_ids restart at every document); attention stays
 inside each document. Prints a tqdm bar (loss, tokens/s) on stderr and, with
 ``--log-json``, one ``{"step", "loss", "tokens_per_s"}`` per step on stdout.
+``--eval-interval K`` evaluates every K steps (and after the last) on held-out text: the
+exact token-mean loss over ``--eval-samples`` samples (``{"step", "eval_loss"}`` lines).
 ``--save-pretrained DIR`` writes a Hugging Face checkpoint at the end, which plain
 transformers loads (the attention has no parameters).
 """
@@ -39,8 +41,9 @@ import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 import ring_sp.integrations.transformers as rsp_hf  # noqa: E402
 from examples.common.data import VOCAB_SIZE  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
-from examples.deepspeed.pretrain_gpt import (common_args, ds_config_from_args, endless_batches, lr_factor,  # noqa: E402
-                                             start_rank, train_step, training_dataset)
+from examples.deepspeed.pretrain_gpt import (common_args, ds_config_from_args, endless_batches, eval_loss,  # noqa: E402
+                                             held_out_dataset, lr_factor, start_rank, token_loss_sum, train_step,
+                                             training_dataset)
 
 
 class HFBatches:
@@ -127,8 +130,19 @@ def main(argv: list[str] | None = None) -> None:
     def loss_of(shard: dict[str, torch.Tensor]) -> torch.Tensor:
         return rsp_hf.causal_lm_loss(engine(**shard).logits, shard["shift_labels"], engine=engine)  # ring_sp
 
+    held_out = held_out_dataset(args)
+    eval_loader = torch.utils.data.DataLoader(  # ring_sp: each held-out sample once over the replicas, sharded
+        held_out, batch_size=micro, sampler=rsp_ds.sequence_parallel_eval_sampler(held_out, topology),
+        collate_fn=loader.collate_fn)
+
+    def eval_sum_of(shard: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = {k: v for k, v in shard.items() if k != "shift_labels"}
+        return token_loss_sum(engine(**inputs).logits, shard["shift_labels"])
+
     for step in range(1, args.steps + 1):
         progress.step(step, train_step(engine, batches, loss_of, dp_group), tokens=samples_per_step * args.seq_len)
+        if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps):
+            progress.log(step, eval_loss=eval_loss(engine, eval_loader, eval_sum_of, topology))  # ring_sp: exact
     if args.save_pretrained and dist.get_rank() == 0:
         engine.module.save_pretrained(args.save_pretrained)  # loads in plain transformers: no ring_sp parameters
 

@@ -14,9 +14,11 @@ stdlib docstrings as bytes. Run it with the launcher::
 ``DataCollatorWithFlattening`` (position_ids restart per document: attention stays inside
 each document). ``--no-ring-sp`` trains the same model with ``attn_implementation="sdpa"`` and the same
 global batch without sequence parallelism (run it on one rank: ``NUM_RANKS=1``), the
-reference the ring_sp loss curve matches. Prints a tqdm bar (loss, tokens/s) on stderr
+reference the ring_sp loss curve matches. ``--eval-steps K`` evaluates on held-out text every
+K steps (the exact eval loss, the token mean over ``--eval-samples`` samples). Prints a tqdm bar (loss, tokens/s) on stderr
 and, with ``--log-json``, one ``{"step", "loss", "tokens_per_s"}`` per step on stdout
-(tokens/s counts ``seq_len`` per sample: an upper bound with ``--pack-documents``).
+(tokens/s counts ``seq_len`` per sample: an upper bound with ``--pack-documents``) and one
+``{"step", "eval_loss"}`` per evaluation.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", action="store_true", help="save_model() into --output-dir at the end (loads in plain transformers)")
     p.add_argument("--save-steps", type=int, default=0, help="a Trainer checkpoint (DeepSpeed state) every N steps; 0: none")
     p.add_argument("--resume", metavar="CHECKPOINT", help="resume_from_checkpoint (a checkpoint-N folder of --save-steps)")
+    p.add_argument("--eval-steps", type=int, default=0,
+                   help="evaluate on --eval-samples held-out samples every N steps (eval_strategy='steps'): the exact "
+                        "eval loss; 0: never")
     return p.parse_args(argv)
 
 
@@ -97,6 +102,8 @@ class JsonProgress(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:  # noqa: ANN001 (Trainer's signature)
         if logs and "loss" in logs:
             self.progress.step(state.global_step, float(logs["loss"]), self.tokens_per_step)
+        if logs and "eval_loss" in logs:
+            self.progress.log(state.global_step, eval_loss=float(logs["eval_loss"]))
 
 
 def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
@@ -113,19 +120,25 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
         warmup_steps=args.warmup, lr_scheduler_type="cosine", optim=args.optim, weight_decay=0.1, adam_beta2=0.95,
         max_grad_norm=args.max_grad_norm, bf16=args.bf16, seed=args.seed, data_seed=args.seed, logging_steps=1,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to="none",
-        dataloader_drop_last=True,
+        dataloader_drop_last=True, eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
+        per_device_eval_batch_size=args.micro_batch,
     )
     topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
     torch.manual_seed(args.seed)
     attention = "sdpa" if topology is None else "ring_sp"  # ring_sp
     model = AutoModelForCausalLM.from_config(llama_config(args), attn_implementation=attention, dtype=torch.float32)
     if args.pack_documents:  # Hugging Face's padding-free packing; ring_sp turns it into document masking
-        dataset, collator = Documents(corpus_documents(args.corpus_bytes), args.seq_len), DataCollatorWithFlattening()
+        documents = corpus_documents(args.corpus_bytes)
+        cut = int(len(documents) * 0.95)  # the rest held out
+        dataset, collator = Documents(documents[:cut], args.seq_len), DataCollatorWithFlattening()
+        held_out = Documents(documents[cut:][: args.eval_samples], args.seq_len)
     else:
-        dataset = TrainingDataset(TokenWindows(split_corpus(corpus_tokens(args.corpus_bytes))[0], args.seq_len))
-        collator = None  # the Trainer's default_data_collator
+        train_tokens, val_tokens = split_corpus(corpus_tokens(args.corpus_bytes))
+        dataset, collator = TrainingDataset(TokenWindows(train_tokens, args.seq_len)), None  # default_data_collator
+        held_out = TrainingDataset(TokenWindows(val_tokens, args.seq_len))
+        held_out = torch.utils.data.Subset(held_out, range(min(args.eval_samples, len(held_out))))
     trainer = SequenceParallelTrainer(model=model, args=training_args, train_dataset=dataset,  # ring_sp: was Trainer
-                                      data_collator=collator)
+                                      eval_dataset=held_out if args.eval_steps else None, data_collator=collator)
     dp_size = dist.get_world_size() if topology is None else topology.dp_size
     samples_per_step = args.micro_batch * args.grad_accum * dp_size
     if dist.get_rank() == 0:

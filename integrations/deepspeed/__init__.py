@@ -17,9 +17,10 @@ wherever this package starts DeepSpeed's comm).
 
 from .config import SECTION, RingSPConfig
 from .cpu import skip_cpu_inference_comm_build
-from .data import PackingCollator, ShardingCollator, sequence_parallel_dataloader, sequence_parallel_sampler
+from .data import (PackingCollator, ShardingCollator, sequence_parallel_dataloader, sequence_parallel_eval_sampler,
+                   sequence_parallel_sampler)
 from .engine import build_topology, initialize, load_config
-from .loss import cross_entropy, gradients_averaged_over_sp
+from .loss import cross_entropy, evaluation_loss, gradients_averaged_over_sp
 from .mpu import SequenceParallelMPU
 
 __all__ = [
@@ -30,10 +31,12 @@ __all__ = [
     "ShardingCollator",
     "build_topology",
     "cross_entropy",
+    "evaluation_loss",
     "gradients_averaged_over_sp",
     "initialize",
     "load_config",
     "sequence_parallel_dataloader",
+    "sequence_parallel_eval_sampler",
     "sequence_parallel_sampler",
     "skip_cpu_inference_comm_build",
 ]

@@ -9,7 +9,7 @@ shifted on the full sequence before sharding, ``position_ids`` kept global for R
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,15 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torch.utils.data import default_collate
 
 from ring_sp import SequenceParallelTopology, shard_batch
+
+
+def _replicas(topology: SequenceParallelTopology | None) -> tuple[int, int]:
+    """(data-parallel replicas, this rank's replica): ``topology``'s, else every rank of the default group its own."""
+    if topology is not None:
+        return topology.dp_size, topology.dp_rank
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
 
 
 def sequence_parallel_sampler(
@@ -35,13 +44,33 @@ def sequence_parallel_sampler(
     group, or one replica when torch.distributed is not initialised). Call
     ``set_epoch(epoch)`` each epoch as for any ``DistributedSampler``.
     """
-    if topology is not None:
-        replicas, rank = topology.dp_size, topology.dp_rank
-    elif dist.is_available() and dist.is_initialized():
-        replicas, rank = dist.get_world_size(), dist.get_rank()
-    else:
-        replicas, rank = 1, 0
+    replicas, rank = _replicas(topology)
     return DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+
+class ReplicaSlice(torch.utils.data.Sampler[int]):
+    """Indices ``dp_rank, dp_rank + dp_size, ...`` of a dataset in order: each sample once.
+
+    For evaluation, where ``DistributedSampler``'s padding (repeating samples so replicas
+    get equal counts) would count some samples twice in the mean; replicas may get one
+    sample less than others. Every rank of one SP group gets the same indices.
+    """
+
+    def __init__(self, length: int, replicas: int, rank: int) -> None:
+        self.length, self.replicas, self.rank = length, replicas, rank
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.length, self.replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.replicas))
+
+
+def sequence_parallel_eval_sampler(dataset: Dataset, topology: SequenceParallelTopology | None) -> ReplicaSlice:
+    """The evaluation sampler over ``topology``'s data-parallel replicas (:class:`ReplicaSlice`):
+    every sample of ``dataset`` exactly once, in order. ``topology=None``: over the default group."""
+    replicas, rank = _replicas(topology)
+    return ReplicaSlice(len(dataset), replicas, rank)
 
 
 class ShardingCollator:
@@ -135,4 +164,5 @@ def sequence_parallel_dataloader(
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, drop_last=True, **loader_kwargs)
 
 
-__all__ = ["PackingCollator", "ShardingCollator", "sequence_parallel_dataloader", "sequence_parallel_sampler"]
+__all__ = ["PackingCollator", "ReplicaSlice", "ShardingCollator", "sequence_parallel_dataloader", "sequence_parallel_eval_sampler",
+           "sequence_parallel_sampler"]

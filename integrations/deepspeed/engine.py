@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ring_sp import SequenceParallelAttention, SequenceParallelTopology, init_sequence_parallel
 
 from ring_sp.integrations.transformers.attention import registration, uses_ring_sp  # imports no transformers
+from ring_sp.integrations.transformers.features import forbid_labels
 from ring_sp.integrations.versions import require_supported
 
 from .config import SECTION, RingSPConfig
@@ -177,6 +178,8 @@ def initialize(
     source = _config_source(args, config, config_params)
     user_config = None if source is None else load_config(source)
     sp = None if user_config is None else RingSPConfig.from_ds_config(user_config)
+    if sp is None and model is not None:
+        _refuse_sequence_parallel_model(model, user_config)
     if sp is None or model is None:
         return deepspeed.initialize(**passthrough)  # nothing of ours (or DeepSpeed's own error)
 
@@ -216,7 +219,28 @@ def initialize(
         )
     engine.ring_sp_topology = topology
     engine.ring_sp_config = sp
+    if uses_ring_sp(model):
+        forbid_labels(model, topology.sp_size)  # engine(**shard, labels=...) would compute a per-shard loss
     return engine, ds_optimizer, dataloader, scheduler
+
+
+def _refuse_sequence_parallel_model(model: torch.nn.Module, user_config: Mapping[str, Any] | None) -> None:
+    """A model whose attention is ring_sp's must not start without the section: DeepSpeed would
+    treat every SP rank as a data-parallel replica (ZeRO groups, gradient averaging, batch size)."""
+    where = next((f"module {name!r} is a ring_sp.SequenceParallelAttention" for name, m in model.named_modules()
+                  if isinstance(m, SequenceParallelAttention)), None)
+    if where is None and uses_ring_sp(model):
+        where = 'the model uses attn_implementation="ring_sp"'
+    if where is None:
+        return
+    section = None if user_config is None else user_config.get(SECTION)
+    state = f'its "{SECTION}" section has "enabled": false' if isinstance(section, Mapping) else f'it has no "{SECTION}" section'
+    raise ValueError(
+        f"{where}, but the DeepSpeed config passed to initialize is not sequence parallel ({state}), so DeepSpeed "
+        f"would average gradients and count batches as if every rank held whole samples; add the section the "
+        f"topology was built from (e.g. \"{SECTION}\": {{\"ulysses_size\": 2, \"ring_size\": 2}}), or build the "
+        f'model without ring_sp (attn_implementation="sdpa" / a plain attention)'
+    )
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

@@ -17,9 +17,11 @@ ranks and then
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ring_sp import SequenceParallelTopology, sequence_parallel_cross_entropy
 from ring_sp.data import IGNORE_INDEX
@@ -58,4 +60,37 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, engine: Any, *, ig
     )
 
 
-__all__ = ["cross_entropy", "gradients_averaged_over_sp"]
+def evaluation_loss(batches: Any, loss_sum_of: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
+                    topology: SequenceParallelTopology | None, *, device: torch.device | str = "cpu") -> tuple[float, int]:
+    """The exact loss over an evaluation set: ``(token mean, valid tokens)`` over ALL ranks.
+
+    ``batches``: this rank's loader (a sized iterable; each DP replica a slice of the set,
+    every sample once: :func:`..data.sequence_parallel_eval_sampler`; each SP rank its shard).
+    ``loss_sum_of(batch) -> (sum of its token losses, its valid-token count)``, run under
+    ``torch.no_grad()``. Sums and counts are summed over the ``DP x SP`` ranks (the default
+    group without ``topology``) ONCE at the end, so the mean is what one rank holding every
+    whole sequence computes. Every rank runs as many forwards as the busiest replica (ZeRO-3
+    gathers parameters over all ranks in each): a replica out of batches repeats its last
+    one, uncounted. Collective over ``topology.dp_sp_group`` (or the default group).
+    """
+    group = None if topology is None else topology.dp_sp_group
+    steps = torch.tensor(len(batches), device=device)
+    dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    iterator, last = iter(batches), None
+    for _ in range(int(steps)):
+        batch = next(iterator, None)
+        if batch is None and last is None:
+            raise ValueError(
+                f"the evaluation set gives this data-parallel replica no batch while others have some; use at least "
+                f"{1 if topology is None else topology.dp_size} x the evaluation batch size samples")
+        with torch.no_grad():
+            loss_sum, count = loss_sum_of(last if batch is None else batch)
+        if batch is not None:
+            totals += torch.stack((loss_sum.detach().double().to(device), torch.as_tensor(count).double().to(device)))
+            last = batch
+    dist.all_reduce(totals, group=group)
+    return (totals[0] / totals[1].clamp(min=1)).item(), int(totals[1].item())
+
+
+__all__ = ["cross_entropy", "evaluation_loss", "gradients_averaged_over_sp"]

@@ -11,12 +11,14 @@
 * :func:`register`: ring_sp as an ``attn_implementation`` (attention + a mask hook that
   builds no mask), :func:`registered_topology` / :func:`registration`: what was registered.
 * :func:`shard_batch`: a global HF batch of any length (padding-free packing included) ->
-  this rank's shard. Sliding windows (``sliding_window``, ``layer_types``) and attention
+  this rank's shard, with a ``"ring_sp_shard"`` fingerprint the attention checks (a shard
+  run on the wrong rank, topology, layout, documents or positions raises: :mod:`.shards`). Sliding windows (``sliding_window``, ``layer_types``) and attention
   sinks (gpt-oss) run exactly.
 * :func:`causal_lm_loss`: the exact loss over the SP group, scaled for the engine in use.
 * :class:`UnsupportedFeatureError`: what an unsupported model feature raises, on every rank,
   before any collective (chunked attention, attention dropout, padding or custom masks,
-  generation with a KV cache).
+  generation with a KV cache; ``generate()`` on more than one SP rank raises before the
+  prefill: ``model.set_attn_implementation("sdpa")`` for it and back to ``"ring_sp"``).
 
 Importing this package does not import transformers: :func:`register` does.
 """

@@ -17,6 +17,7 @@ layout/backend) serves every model using ``"ring_sp"``; registering again replac
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +25,13 @@ from typing import Any
 import torch
 
 from ring_sp import SequenceParallelTopology, hybrid_attention
+from ring_sp.attention import raise_on_every_rank
 from ring_sp.layouts import Boundaries, as_boundaries, check_grid_layout
 from ring_sp.integrations.versions import require_supported
 from ring_sp.validation import check_kv_exchange, check_options
 
-from .features import check_mask_call, check_model_config, check_positions, model_name, ring_sp_call_options
+from .features import UnsupportedFeatureError, check_mask_call, check_model_config, model_name, ring_sp_call_options
+from .shards import SHARD_KEY, check_shard
 
 ATTN_IMPLEMENTATION = "ring_sp"
 
@@ -53,7 +56,7 @@ class RingSPAttention:
         self.registration = registration
         # every layer gets the same cu_seq_lens_q / _k tensors: convert each once per forward, not per layer
         self._cu_cache: list[tuple[torch.Tensor, int, Boundaries]] = []
-        self._checked: tuple[torch.Tensor | None, int] = (None, -1)  # the position_ids last checked
+        self._checked: tuple = ()  # the fingerprint and position_ids last checked, with their versions
 
     def _boundaries(self, cu: torch.Tensor) -> Boundaries:
         """A ``cu_seq_lens_*`` tensor as a tuple (one host sync per new tensor)."""
@@ -67,19 +70,44 @@ class RingSPAttention:
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         reg = self.registration
+        if reg.topology.sp_size == 1 and (attention_mask is not None or key.shape[-2] != query.shape[-2]):
+            # one rank holds the whole sequence: a KV cache (generation) or padding is sdpa's exact business
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         options = ring_sp_call_options(module, query, key, attention_mask, kwargs, layout=reg.layout,
                                        backend=reg.backend, boundaries=self._boundaries)
-        positions = kwargs.get("position_ids")
-        if positions is not None and not (positions is self._checked[0] and positions._version == self._checked[1]):
-            check_positions(positions, options["layout"], reg.topology.sp_size, model_name(getattr(module, "config", None)))
-            self._checked = (positions, positions._version)  # every layer gets the same tensor: once per forward
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [b, h, n, d] -> ring_sp [b, n, h, d]
+        mark, positions = kwargs.get(SHARD_KEY), kwargs.get("position_ids")
+        seen = (mark, positions, tuple(t._version for t in (mark, positions) if isinstance(t, torch.Tensor)),
+                options["cu_seqlens"], options["layout"])
+        last = self._checked
+        if not (last and seen[0] is last[0] and seen[1] is last[1] and seen[2:] == last[2:]):
+            # every layer gets the same tensors: check once per forward, before the first collective
+            try:
+                check_shard(mark, positions, batch=q.shape[0], local_len=q.shape[1], layout=options["layout"],
+                            boundaries=options["cu_seqlens"], topology=reg.topology,
+                            where=model_name(getattr(module, "config", None)))
+            except (TypeError, ValueError) as exc:
+                raise_on_every_rank(exc, q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, **options)
+            self._checked = seen
         return hybrid_attention(q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, **options), None
 
     def mask(self, *, attention_mask: torch.Tensor | None = None, q_length: int = 0, kv_length: int = 0,
-             q_offset: Any = 0, config: Any = None, **_: Any) -> None:
-        """The ``AttentionMaskInterface`` hook: checks, then no mask (the attention needs none)."""
+             q_offset: Any = 0, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
+        """The ``AttentionMaskInterface`` hook: checks, then no mask (the attention needs none).
+
+        With an SP group of ONE rank, a KV cache (generation) or a padding mask gets sdpa's own
+        mask, and the attention hands those calls to sdpa: the sequence is whole, so that is exact.
+        """
         check_model_config(config)
+        cached = kv_length != q_length or isinstance(q_offset, torch.Tensor) or q_offset != 0
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if self.registration.topology.sp_size == 1 and (cached or padded):
+            from transformers.masking_utils import sdpa_mask
+
+            return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                             config=config, **kwargs)
         check_mask_call(config, attention_mask, q_length, kv_length, q_offset)
         return None
 
@@ -114,7 +142,39 @@ def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", back
     attention = RingSPAttention(Registration(topology, layout, backend, kv_exchange))
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, attention.mask)
+    _guard_generate()
     return ATTN_IMPLEMENTATION
+
+
+def _guard_generate() -> None:
+    """``generate()`` of a ring_sp model over more than one SP rank raises before the prefill.
+
+    Every rank would hold the whole prompt while the attention takes it for this rank's
+    shard of a longer sequence: the prefill would run the ring over the wrong tokens, and only
+    the first decode step (a KV cache) would fail. Wraps ``GenerationMixin.generate`` once;
+    other models (and one-rank SP groups, where ring_sp hands cached calls to sdpa) pass through.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    generate = GenerationMixin.generate
+    if getattr(generate, "_ring_sp_guard", False):
+        return
+
+    @functools.wraps(generate)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        current = registration()
+        if uses_ring_sp(self) and current is not None and current.topology.sp_size > 1:
+            raise UnsupportedFeatureError(
+                f"{model_name(getattr(self, 'config', None))} cannot generate() with attn_implementation="
+                f'"{ATTN_IMPLEMENTATION}" on {current.topology.sp_size} sequence-parallel ranks (every rank holds the '
+                f"whole prompt, the attention expects this rank's shard); switch the attention for generation: "
+                f'model.set_attn_implementation("sdpa"), generate, then model.set_attn_implementation('
+                f'"{ATTN_IMPLEMENTATION}") to train on'
+            )
+        return generate(self, *args, **kwargs)
+
+    guarded._ring_sp_guard = True
+    GenerationMixin.generate = guarded
 
 
 def registration() -> Registration | None:

@@ -31,6 +31,7 @@ from ring_sp.layouts import Boundaries, as_boundaries, layout_unit
 
 from .attention import registration
 from .features import layout_for
+from .shards import SHARD_KEY, fingerprint
 
 _FLASH_LENGTHS = ("max_length_q", "max_length_k")  # DataCollatorWithFlattening's, recomputed by nobody here
 
@@ -94,7 +95,10 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
     to :func:`register`.
 
     Returns ``input_ids``, ``position_ids`` (global, in layout order) and ``shift_labels``,
-    each ``[b, N / sp_size]``. Packed documents (positions restarting), or a length ``N``
+    each ``[b, N / sp_size]``, and ``"ring_sp_shard"``: int64 ``[7]``, which rank, topology,
+    layout, batch and positions the shard was cut for (the attention checks it, so a shard
+    run where it does not belong raises instead of computing a wrong answer; see
+    :mod:`.shards`). Packed documents (positions restarting), or a length ``N``
     that is not a multiple of :func:`ring_sp.layouts.layout_unit` (each row then one
     document), make ONE row of all ``b`` rows of any document lengths, use the
     document-aware layout (``zigzag`` -> ``document_zigzag``), get padded at the row's end
@@ -143,6 +147,9 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
     cu = shard.pop("cu_seqlens", None)  # the GLOBAL boundaries, the tail padding as its own document
     if cu is not None:
         shard["cu_seq_lens_q"] = shard["cu_seq_lens_k"] = cu.to(device=input_ids.device, dtype=torch.int32)
+    shard[SHARD_KEY] = fingerprint(sp_size=sp_size, sp_rank=sp_rank, layout=layout,
+                                   global_len=shard["input_ids"].shape[1] * sp_size, boundaries=as_boundaries(cu),
+                                   position_ids=shard["position_ids"])
     return shard
 
 

@@ -150,26 +150,36 @@ def ring_sp_call_options(module: torch.nn.Module, query: torch.Tensor, key: torc
                 sliding_window=sliding_window, sinks=sinks)
 
 
-def check_positions(position_ids: torch.Tensor | None, layout: str, sp_size: int, where: str) -> None:
-    """Catch the easy mistake of a shard without its GLOBAL ``position_ids``.
+def forbid_labels(model: torch.nn.Module, sp_size: int) -> None:
+    """Make ``model(..., labels=...)`` raise, before the forward, while it runs on ``sp_size > 1`` ranks.
 
-    transformers then numbers the shard's tokens 0..n-1, and RoPE would silently use the
-    wrong positions. Checked only for UNPACKED batches (``layout == "zigzag"``, no
-    ``cu_seq_lens``): over several ranks no rank's correct zigzag shard holds 0..n-1 (every
-    rank holds a chunk from the second half), so a correct run never raises and a wrong one
-    raises on every rank together. Packed documents of any length are left alone: their
-    uneven chunks could make one rank's correct shard read 0..n-1 and raise on that rank
-    only (a hang). One host sync; the caller runs it once per forward.
+    transformers' own loss would shift ``labels`` inside this rank's shard (the last token
+    of every shard loses its target and gets the next position's of the same shard) and
+    average over this rank's tokens only: a wrong loss without a word. The exact loss takes
+    the shard's ``shift_labels`` (shifted on the whole sequence by ``shard_batch``) in
+    :func:`ring_sp.integrations.transformers.causal_lm_loss`. A forward pre-hook, installed
+    once; ``sp_size == 1`` installs nothing (the model's own loss is exact then).
     """
-    if position_ids is None or sp_size == 1 or layout != "zigzag" or position_ids.shape[-1] < 2:
+    if sp_size == 1 or getattr(model, "_ring_sp_forbids_labels", False):
         return
-    local = torch.arange(position_ids.shape[-1], device=position_ids.device)
-    if bool((position_ids == local).all()):
-        raise ValueError(
-            f"{where}: position_ids are 0..{position_ids.shape[-1] - 1}, the shard's LOCAL positions, so RoPE would be "
-            f"wrong under layout={layout!r}; pass the GLOBAL positions: model(**shard) with shard = "
-            f"ring_sp.integrations.transformers.shard_batch(batch, topology) (it holds position_ids)"
-        )
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if kwargs.get("labels") is not None:
+            shifted = "" if kwargs.get("shift_labels") is not None else " (and no shift_labels)"
+            raise ValueError(
+                f"{model_name(getattr(module, 'config', None))} was given labels={_short(kwargs['labels'])}{shifted} "
+                f"while it runs on {sp_size} sequence-parallel ranks: transformers' loss would shift them inside this "
+                f"rank's shard (unshifted where shifted are expected) and average over this rank only; pass no labels "
+                f"and compute the loss with ring_sp.integrations.transformers.causal_lm_loss(logits, "
+                f"shard['shift_labels'], ...) on the shard of shard_batch"
+            )
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    model._ring_sp_forbids_labels = True
+
+
+def _short(x: object) -> str:
+    return f"Tensor(shape={tuple(x.shape)})" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def layout_for(layout: str, *, packed: bool) -> str:
@@ -182,5 +192,5 @@ def layout_for(layout: str, *, packed: bool) -> str:
     return layout
 
 
-__all__ = ["UnsupportedFeatureError", "check_mask_call", "check_model_config", "check_positions", "layout_for", "model_name",
+__all__ = ["UnsupportedFeatureError", "check_mask_call", "check_model_config", "forbid_labels", "layout_for", "model_name",
            "ring_sp_call_options"]

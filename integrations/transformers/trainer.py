@@ -31,8 +31,12 @@ Importing this module (with DeepSpeed installed) keeps DeepSpeed's CPU backend f
 JIT-compiling its C++ shared-memory op when ``TrainingArguments`` starts it
 (:func:`ring_sp.integrations.deepspeed.skip_cpu_inference_comm_build`; nothing on CUDA).
 
-Not supported (each raises when the Trainer is built): evaluation/prediction under SP
-(logits are sharded), ``compute_loss_func``, label smoothing, ``batch_rebalance``
+* evaluation: ``evaluate()`` (also ``eval_strategy="steps"``) returns the exact eval loss,
+  the token mean over the whole eval set (:meth:`SequenceParallelTrainer.evaluation_loop`).
+
+Not supported (each raises when the Trainer is built): ``compute_metrics`` and ``predict()``
+without ``prediction_loss_only`` (the logits are sharded; raises when called),
+``compute_loss_func``, label smoothing, ``batch_rebalance``
 or ``group_by_length`` sampling, IterableDatasets, accelerate's ``split_batches`` /
 ``dispatch_batches``, DataParallel (``n_gpu > 1``).
 """
@@ -49,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import EvalLoopOutput
 
 from ring_sp import SequenceParallelTopology, sequence_parallel_loss
 from ring_sp.data import IGNORE_INDEX
@@ -63,6 +68,13 @@ if importlib.util.find_spec("deepspeed") is not None:
     # TrainingArguments(deepspeed=...) starts DeepSpeed's comm in its constructor, before any
     # other call of ours: on CPU ranks it must already find the C++ op marked unbuildable
     rsp_ds.skip_cpu_inference_comm_build()
+
+_NO_LOGITS = (
+    "the logits are sharded over the sequence-parallel ranks, so predictions and compute_metrics are not available; "
+    "evaluate() gives the exact eval loss (prediction_loss_only), and for metrics on logits save the model "
+    "(trainer.save_model) and predict with it on one rank without ring_sp (attn_implementation='sdpa')"
+)
+
 
 def _ds_config(args: TrainingArguments) -> dict[str, Any] | None:
     """The DeepSpeed config dict the Trainer will use (``args.deepspeed``), or None."""
@@ -236,10 +248,7 @@ class SequenceParallelTrainer(Trainer):
             "accelerator_config.split_batches": (args.accelerator_config.split_batches, "set it to False"),
             "accelerator_config.dispatch_batches": (bool(args.accelerator_config.dispatch_batches), "set it to False"),
             "n_gpu > 1 (DataParallel)": (args.n_gpu > 1, "launch one process per device"),
-            f"eval_strategy={args.eval_strategy.value!r}": (
-                args.eval_strategy.value != "no",
-                "set eval_strategy='no' and evaluate the saved model (save_pretrained) without ring_sp"),
-            "compute_metrics": (self.compute_metrics is not None, "evaluate the saved model without ring_sp"),
+            "compute_metrics": (self.compute_metrics is not None, _NO_LOGITS),
         }
         for name, (present, fix) in unsupported.items():
             if present:
@@ -253,20 +262,60 @@ class SequenceParallelTrainer(Trainer):
         with _ring_sp_engine():
             return super().train(*args, **kwargs)
 
-    def _sp_unsupported(self, what: str) -> None:
+    # ---------------------------------------------------------------- evaluation
+    def evaluation_loop(self, dataloader: torch.utils.data.DataLoader, description: str,
+                        prediction_loss_only: bool | None = None, ignore_keys: list[str] | None = None,
+                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """The exact loss over the evaluation set: ``{prefix}_loss`` = the GLOBAL token mean.
+
+        Serves ``evaluate()`` (also with ``eval_strategy="steps"`` while training) and, with
+        ``prediction_loss_only``, ``predict()``. Each DP replica evaluates its slice of the set
+        (every sample once, :func:`..deepspeed.sequence_parallel_eval_sampler`), each SP rank
+        its shard of it; the token-loss sums and valid-token counts are summed over all
+        ``DP x SP`` ranks once at the end, so the result is what one rank holding every whole
+        sequence computes (the plain Trainer's ``eval_loss`` when every batch holds the same
+        number of valid tokens; with unequal batches it averages the batch means instead).
+        Predictions (logits) are sharded over the SP ranks and never gathered: without
+        ``prediction_loss_only`` this raises (see ``_NO_LOGITS``).
+        """
+        if self.ring_sp_topology is None:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        if not loss_only:
+            raise ValueError(f"SequenceParallelTrainer.{'predict' if description == 'Prediction' else 'evaluate'} "
+                             f"without prediction_loss_only with the {rsp_ds.SECTION!r} section: {_NO_LOGITS}")
+        model = self.model
+
+        def loss_sum_of(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            loss_sum, count, _ = self._shard_loss_sum(model, self._prepare_inputs(batch))
+            return loss_sum, count
+
+        was_training = model.training
+        model.eval()
+        try:
+            loss, _ = rsp_ds.evaluation_loss(dataloader, loss_sum_of, self.ring_sp_topology, device=self.args.device)
+        finally:
+            model.train(was_training)
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics={f"{metric_key_prefix}_loss": loss},
+                              num_samples=self.num_examples(dataloader))
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
+        loader = super().get_eval_dataloader(eval_dataset)
         if self.ring_sp_topology is not None:
-            raise ValueError(
-                f"SequenceParallelTrainer.{what} is not supported with the {rsp_ds.SECTION!r} section (the logits are "
-                f"sharded over the SP ranks); save the model (trainer.save_model) and {what} it without ring_sp"
-            )
+            _unshard(loader)
+        return loader
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
-        self._sp_unsupported("evaluate")
-        return super().evaluate(*args, **kwargs)
+    def get_test_dataloader(self, test_dataset: Any) -> torch.utils.data.DataLoader:
+        loader = super().get_test_dataloader(test_dataset)
+        if self.ring_sp_topology is not None:
+            _unshard(loader)
+        return loader
 
-    def predict(self, *args: Any, **kwargs: Any) -> Any:
-        self._sp_unsupported("predict")
-        return super().predict(*args, **kwargs)
+    def _get_eval_sampler(self, eval_dataset: Any) -> torch.utils.data.Sampler | None:
+        """Over the DP replicas, each sample once (a padded ``DistributedSampler`` would repeat some)."""
+        if self.ring_sp_topology is None:
+            return super()._get_eval_sampler(eval_dataset)
+        return rsp_ds.sequence_parallel_eval_sampler(eval_dataset, self.ring_sp_topology)
 
     # ---------------------------------------------------------------- data
     def _get_train_sampler(self, train_dataset: Any = None) -> torch.utils.data.Sampler | None:
@@ -322,6 +371,23 @@ class SequenceParallelTrainer(Trainer):
         if self.ring_sp_topology is None:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+        topology = self.ring_sp_topology
+        averaged = self.deepspeed is not None and rsp_ds.gradients_averaged_over_sp(self.deepspeed)
+        if num_items_in_batch is None:
+            shift_labels, outputs, logits = self._shard_forward(model, inputs)
+            loss = causal_lm_loss(logits, shift_labels, topology=topology, gradients_averaged_over_sp=averaged)
+        else:
+            loss_sum, _, outputs = self._shard_loss_sum(model, inputs)
+            # every rank claims an equal share of the step's count: summed over the SP group it is
+            # the replica's share count / DP, so the value and backward are as documented above
+            share = torch.as_tensor(num_items_in_batch, dtype=torch.float64, device=loss_sum.device)
+            share = share / (topology.dp_size * topology.sp_size)
+            loss = sequence_parallel_loss(loss_sum, share, group=topology.sp_group, gradients_averaged_over_sp=averaged)
+        return (loss, outputs) if return_outputs else loss
+
+    @staticmethod
+    def _shard_forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        """(shift_labels, outputs, logits) of this rank's shard; ``labels`` never reach the model."""
         inputs = dict(inputs)
         shift_labels = inputs.pop("shift_labels", None)
         if shift_labels is None:
@@ -329,20 +395,14 @@ class SequenceParallelTrainer(Trainer):
                              "(SequenceParallelCollator around a collator of global batches with input_ids/labels)")
         inputs.pop("labels", None)
         outputs = model(**inputs)
-        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-        topology = self.ring_sp_topology
-        averaged = self.deepspeed is not None and rsp_ds.gradients_averaged_over_sp(self.deepspeed)
-        if num_items_in_batch is None:
-            loss = causal_lm_loss(logits, shift_labels, topology=topology, gradients_averaged_over_sp=averaged)
-        else:
-            loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
-                                       reduction="sum")
-            # every rank claims an equal share of the step's count: summed over the SP group it is
-            # the replica's share count / DP, so the value and backward are as documented above
-            share = torch.as_tensor(num_items_in_batch, dtype=torch.float64, device=loss_sum.device)
-            share = share / (topology.dp_size * topology.sp_size)
-            loss = sequence_parallel_loss(loss_sum, share, group=topology.sp_group, gradients_averaged_over_sp=averaged)
-        return (loss, outputs) if return_outputs else loss
+        return shift_labels, outputs, outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+
+    def _shard_loss_sum(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(sum of this shard's token losses in fp32, its valid-token count, the model's outputs)."""
+        shift_labels, outputs, logits = self._shard_forward(model, inputs)
+        loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        return loss_sum, (shift_labels != IGNORE_INDEX).sum(), outputs
 
 
 __all__ = ["SequenceParallelCollator", "SequenceParallelTrainer", "prepare_sequence_parallel"]

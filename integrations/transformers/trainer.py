@@ -25,7 +25,9 @@ The collator still returns GLOBAL batches (``input_ids``, ``labels``, optional
   (:func:`..shard_batch`);
 * loss: the Trainer counts the valid tokens of the whole optimizer step (every
   gradient-accumulation micro-batch, every rank) and the loss is the token mean over them,
-  as the Trainer does without SP, with the backward scaled for the ZeRO stage's reduction.
+  as the Trainer does without SP, with the backward scaled for the ZeRO stage's reduction;
+  the section's ``tiled_mlp`` / ``tiled_loss`` / ``offload_checkpoints`` (applied by
+  ``initialize``) make it the long-sequence step (:func:`..model_loss`'s tiled loss).
 
 Not supported (each raises when the Trainer is built): evaluation/prediction under SP
 (logits are sharded), ``compute_loss_func``, label smoothing, ``batch_rebalance``
@@ -42,7 +44,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
 from ring_sp import SequenceParallelTopology, sequence_parallel_loss
@@ -51,7 +52,7 @@ from ring_sp.integrations import deepspeed as rsp_ds
 
 from .attention import ATTN_IMPLEMENTATION, register, registration, uses_ring_sp
 from .data import shard_batch
-from .loss import causal_lm_loss
+from .long_sequence import shard_loss_sum
 
 
 def _ds_config(args: TrainingArguments) -> dict[str, Any] | None:
@@ -227,6 +228,9 @@ class SequenceParallelTrainer(Trainer):
                 args.eval_strategy.value != "no",
                 "set eval_strategy='no' and evaluate the saved model (save_pretrained) without ring_sp"),
             "compute_metrics": (self.compute_metrics is not None, "evaluate the saved model without ring_sp"),
+            f"{rsp_ds.SECTION}.offload_checkpoints without gradient_checkpointing": (
+                sp.offload_checkpoints and not args.gradient_checkpointing,
+                f'set TrainingArguments(gradient_checkpointing=True) or "{rsp_ds.SECTION}": {{"offload_checkpoints": false}}'),
         }
         for name, (present, fix) in unsupported.items():
             if present:
@@ -315,20 +319,17 @@ class SequenceParallelTrainer(Trainer):
             raise ValueError("the batch has no 'shift_labels': build it with the Trainer's collator "
                              "(SequenceParallelCollator around a collator of global batches with input_ids/labels)")
         inputs.pop("labels", None)
-        outputs = model(**inputs)
-        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        loss_sum, outputs = shard_loss_sum(model, inputs, shift_labels)  # tiled when the section says so
         topology = self.ring_sp_topology
         averaged = self.deepspeed is not None and rsp_ds.gradients_averaged_over_sp(self.deepspeed)
         if num_items_in_batch is None:
-            loss = causal_lm_loss(logits, shift_labels, topology=topology, gradients_averaged_over_sp=averaged)
+            count = (shift_labels != IGNORE_INDEX).sum()
         else:
-            loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
-                                       reduction="sum")
             # every rank claims an equal share of the step's count: summed over the SP group it is
             # the replica's share count / DP, so the value and backward are as documented above
-            share = torch.as_tensor(num_items_in_batch, dtype=torch.float64, device=loss_sum.device)
-            share = share / (topology.dp_size * topology.sp_size)
-            loss = sequence_parallel_loss(loss_sum, share, group=topology.sp_group, gradients_averaged_over_sp=averaged)
+            count = torch.as_tensor(num_items_in_batch, dtype=torch.float64, device=loss_sum.device)
+            count = count / (topology.dp_size * topology.sp_size)
+        loss = sequence_parallel_loss(loss_sum, count, group=topology.sp_group, gradients_averaged_over_sp=averaged)
         return (loss, outputs) if return_outputs else loss
 
 

@@ -154,6 +154,7 @@ class _LossRequest:
     tile_tokens: int
     ignore_index: int
     loss_sum: torch.Tensor | None = None
+    output: torch.Tensor | None = None  # the head's output after every forward hook (ZeRO-3 wraps it there)
     calls: int = 0
 
 
@@ -266,10 +267,14 @@ def _install_offload(module: nn.Module) -> None:
 @contextlib.contextmanager
 def _head_request(head: nn.Module, request: _LossRequest) -> Iterator[_LossRequest]:
     head.ring_sp_request = request
+    # registered last, so it sees the output other hooks returned: ZeRO-3 wraps it in the
+    # function that re-gathers the head's weight before its backward
+    handle = head.register_forward_hook(lambda module, args, output: setattr(request, "output", output))
     try:
         yield request
     finally:
         head.ring_sp_request = None
+        handle.remove()
 
 
 def shard_loss_sum(model: Any, inputs: Mapping[str, Any], shift_labels: torch.Tensor, *,
@@ -300,10 +305,10 @@ def shard_loss_sum(model: Any, inputs: Mapping[str, Any], shift_labels: torch.Te
     request = _LossRequest(shift_labels, softcap, config.tile_tokens, ignore_index)
     with _head_request(head, request):
         outputs = model(**inputs)
-    if request.calls != 1 or request.loss_sum is None:
-        raise RuntimeError(f"{type(module).__name__}'s forward called its LM head {request.calls} times (expected once); "
-                           f"ring_sp's tiled loss cannot apply: pass tiled_loss=False")
-    return request.loss_sum, outputs
+    if request.calls != 1 or not isinstance(request.output, torch.Tensor) or request.output.dim() != 0:
+        raise RuntimeError(f"{type(module).__name__}'s forward called its LM head {request.calls} times (expected once, "
+                           f"returning the loss); ring_sp's tiled loss cannot apply: pass tiled_loss=False")
+    return request.output, outputs
 
 
 def model_loss(model: Any, shard: Mapping[str, Any], *, topology: Any = None, engine: Any = None,

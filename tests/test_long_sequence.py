@@ -132,10 +132,13 @@ def test_hf_tiled_step_equals_transformers(arch: str, packed: bool, tied: bool) 
     loss.backward()
     assert abs(loss.item() - want.item()) <= LOSS_TOL
     assert _rel_grad_error(model, reference) <= GRAD_TOL
-    # outside model_loss the head still returns logits (generation, evaluation)
+    # outside model_loss the head still returns logits without grad (generation, evaluation) ...
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"]).logits
     assert logits.shape == (*batch["input_ids"].shape, model.config.vocab_size)
+    # ... and refuses a training forward, which would silently build the full logits
+    with pytest.raises(RuntimeError, match=r"tiled_loss=True .*\.model_loss\(model, shard"):
+        model(input_ids=batch["input_ids"])
 
 
 @needs_transformers

@@ -166,7 +166,14 @@ class _TiledHead:
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         request = self.ring_sp_request
         if request is None:
-            return super().forward(hidden)  # logits, as before (generation, evaluation)
+            if torch.is_grad_enabled() and self.training and hidden.requires_grad:
+                # a training forward outside model_loss would build the full logits: say so, never fall back
+                raise RuntimeError(
+                    "this model has tiled_loss=True (enable_long_sequence / the ring_sp section), so a training forward "
+                    "must take its loss from ring_sp.integrations.transformers.model_loss(model, shard, ...), which "
+                    "never builds the full logits; or switch it off with tiled_loss=False"
+                )
+            return super().forward(hidden)  # logits, as before (generation and evaluation run without grad)
         request.calls += 1
         if hidden.shape[:-1] != request.labels.shape:
             raise ValueError(f"the LM head got hidden states {tuple(hidden.shape)} but the shard's shift_labels are "

@@ -455,8 +455,8 @@ def zero3_case(tile_tokens: int | None) -> dict[str, Any]:
 @needs_transformers
 def test_zero3_tiled_step_is_exact_and_gathers_as_often_as_untiled(pools) -> None:
     pool = pools.get(4, env=DS_ENV)
-    tiled = pool.run(zero3_case, 3, timeout=300)
-    untiled = pool.run(zero3_case, None, timeout=300)
+    tiled = pool.run(zero3_case, 3, timeout=600)
+    untiled = pool.run(zero3_case, None, timeout=600)
     for rank, (res, plain) in enumerate(zip(tiled, untiled)):
         assert res["tiled"] == "RingSPTiledLlamaMLP" and plain["tiled"] == "LlamaMLP"
         assert res["loss"] <= LOSS_TOL and res["grads"] <= GRAD_TOL, f"rank {rank}: {res}"
@@ -465,3 +465,56 @@ def test_zero3_tiled_step_is_exact_and_gathers_as_often_as_untiled(pools) -> Non
         # not vacuous: the second step does gather the (tied) head and the MLP weights, once per pass
         assert res["gathers"].get("model.embed_tokens.weight", 0) >= 1, res["gathers"]
         assert 1 <= res["gathers"].get("model.layers.0.mlp.gate_proj.weight", 0) <= 2, res["gathers"]
+
+
+# ---------------------------------------------------------------- the DeepSpeed GPT example's own model
+
+def test_gpt_example_tiled_step_equals_untiled() -> None:
+    """examples/deepspeed/pretrain_gpt.py's GPT (GELU MLP with biases, tied head): tiled MLP and loss,
+    checkpointed blocks offloaded, vs the plain model (no SP: the pieces are the same on the grid)."""
+    from examples.deepspeed.pretrain_gpt import GPT, GPTConfig, loss_fn, tiled_loss
+
+    cfg = GPTConfig(vocab_size=96, d_model=32, n_layer=2, n_head=4, n_kv_head=2)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    tiled = copy.deepcopy(plain)
+    tiled.checkpointing = True
+    tiled.enable_long_sequence(tiled_mlp=True, tiled_loss=True, offload_checkpoints=True, tile_tokens=5)
+    ids = torch.randint(0, 96, (2, 24))
+    positions = torch.arange(24).expand(2, 24)
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = -100
+    want = loss_fn(plain(ids, positions), labels, None)
+    want.backward()
+    loss = tiled_loss(tiled(ids, positions, labels=labels), labels, None)
+    loss.backward()
+    assert abs(loss.item() - want.item()) <= LOSS_TOL
+    assert _rel_grad_error(tiled, plain) <= GRAD_TOL
+    bare = GPT(cfg)
+    with pytest.raises(ValueError, match=r"offload_checkpoints=True needs activation checkpointing: pass "
+                                         r"--checkpoint-activations"):
+        bare.enable_long_sequence(tiled_mlp=True, tiled_loss=False, offload_checkpoints=True, tile_tokens=None)
+    with pytest.raises(ValueError, match=r"tile_tokens=0 must be >= 1"):
+        bare.enable_long_sequence(tiled_mlp=True, tiled_loss=False, offload_checkpoints=False, tile_tokens=0)
+
+
+@pytest.mark.slow  # two 4-rank DeepSpeed launches
+@needs_deepspeed
+@pytest.mark.parametrize("example,extra", [("deepspeed/pretrain_gpt.sh", []),
+                                           ("transformers/pretrain_llama.sh", ["--pack-documents"])])
+def test_examples_long_sequence_flags_train_as_untiled(example: str, extra: list[str]) -> None:
+    """The examples on U2 x R2 with --tiled-mlp --tiled-loss --checkpoint-activations --offload-checkpoints
+    log the same losses as without (same seed, same data)."""
+    from pathlib import Path
+
+    from example_scripts import run_launcher
+
+    script = Path(__file__).resolve().parents[1] / "examples" / example
+    tiny = ["--seq-len", "64", "--d-model", "32", "--layers", "2", "--micro-batch", "2", "--corpus-bytes", "200000",
+            "--steps", "3", "--log-json", *extra]
+    plain = run_launcher(script, *tiny, timeout=600)
+    tiled = run_launcher(script, *tiny, "--tiled-mlp", "--tiled-loss", "--tile-tokens", "5", "--checkpoint-activations",
+                         "--offload-checkpoints", timeout=600)
+    assert len(plain) == len(tiled) == 3
+    for a, b in zip(plain, tiled):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (plain, tiled)

@@ -151,7 +151,10 @@ def test_model_loss_untiled_is_the_same_loss() -> None:
     plain = copy.deepcopy(reference)  # never switched: model_loss computes from the logits
     batch = _global_batch(True)
     want = _reference_loss(reference, batch)
-    for m in (model, plain):
+    switched_off = rsp_hf.enable_long_sequence(rsp_hf.enable_long_sequence(copy.deepcopy(reference)), tiled_mlp=False,
+                                               tiled_loss=False)  # on, then off again: the HF classes are back
+    assert type(switched_off.lm_head) is torch.nn.Linear and type(switched_off.model.layers[0].mlp).__name__ == "LlamaMLP"
+    for m in (model, plain, switched_off):
         assert abs(rsp_hf.model_loss(m, rsp_hf.shard_batch(batch, None)).item() - want.item()) <= LOSS_TOL
 
 

@@ -143,6 +143,11 @@ def _mix(module: nn.Module, mixin: type) -> None:
     module.__class__ = _MIXED[key]
 
 
+def _unmix(module: nn.Module) -> None:
+    """Undo :func:`_mix`: the class it was built from (``mixin + cls`` -> ``cls``)."""
+    module.__class__ = module.__class__.__bases__[1]
+
+
 # ---------------------------------------------------------------- tiled head + loss
 
 @dataclass
@@ -228,11 +233,9 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
     for _, mlp in mlps:
         _mix(mlp, _TiledGatedMLP)
         mlp.ring_sp_tile_tokens = tile
-    if not tiled_mlp and hasattr(module, "base_model") and isinstance(getattr(module.base_model, "layers", None), nn.ModuleList):
-        for layer in module.base_model.layers:
-            mlp = getattr(layer, "mlp", None)
-            if isinstance(mlp, _TiledGatedMLP):
-                mlp.__class__ = mlp.__class__.__mro__[2]  # back to the HF class
+    for sub in module.modules():  # switched off again: back to the HF classes
+        if (isinstance(sub, _TiledGatedMLP) and not tiled_mlp) or (isinstance(sub, _TiledHead) and not tiled_loss):
+            _unmix(sub)
     if head is not None:
         _mix(head, _TiledHead)
     module.ring_sp_long_sequence = LongSequenceConfig(tiled_mlp, tiled_loss, offload_checkpoints, tile)

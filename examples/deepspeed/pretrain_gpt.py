@@ -11,6 +11,10 @@ Data: Python's own stdlib docstrings as bytes (no download). Run it with the lau
     DS_ACCELERATOR=cpu deepspeed --quiet --num_gpus 4 examples/deepspeed/pretrain_gpt.py --log-json
     deepspeed --num_gpus 8 examples/deepspeed/pretrain_gpt.py --ulysses-size 2 --ring-size 4 --bf16
 
+``--tiled-mlp --tiled-loss [--tile-tokens N] [--checkpoint-activations --offload-checkpoints]``
+(or the same keys in the ``"ring_sp"`` section) run the long-sequence step: MLPs and the
+head + loss over token tiles (``ring_sp.tiling``), checkpointed activations in host memory.
+
 ``--pack-documents`` trains on whole documents packed into each row instead of windows
 of the text stream: attention stays inside each document (``cu_seqlens``), positions
 restart per document, and ``--layout document_zigzag`` keeps every rank's work equal.
@@ -25,6 +29,7 @@ not depend on ``U x R`` (the attention has no parameters): resume under another 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import os
@@ -39,6 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for examples.common
 
@@ -47,6 +53,8 @@ import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 from examples.common.data import (VOCAB_SIZE, PackedDocuments, TokenWindows, corpus_documents,  # noqa: E402
                                   corpus_tokens, split_corpus)
 from examples.common.progress import Progress  # noqa: E402
+from ring_sp.offload import OffloadedCheckpoint  # noqa: E402
+from ring_sp.tiling import check_tile_tokens, tiled_linear_cross_entropy, tiled_map  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("ds_config.json")
 
@@ -127,10 +135,22 @@ class Block(nn.Module):
             nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model), nn.GELU(), nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
         )
 
+        self.mlp_tile_tokens: int | None = None  # set: the MLP runs over token tiles (GPT.enable_long_sequence)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cos, sin, cu_seqlens)
-        return x + self.mlp(self.ln_2(x))
+        h = self.ln_2(x)
+        if self.mlp_tile_tokens is None:
+            return x + self.mlp(h)
+        up, down = self.mlp[0], self.mlp[2]
+        return x + tiled_map(_gelu_mlp, h, [up.weight, up.bias, down.weight, down.bias], tile_tokens=self.mlp_tile_tokens)
+
+
+def _gelu_mlp(x: torch.Tensor, up_w: torch.Tensor, up_b: torch.Tensor, down_w: torch.Tensor,
+              down_b: torch.Tensor) -> torch.Tensor:
+    """Block.mlp on one tile of tokens, from its weights (what ring_sp.tiling.tiled_map recomputes)."""
+    return F.linear(F.gelu(F.linear(x, up_w, up_b)), down_w, down_b)
 
 
 class GPT(nn.Module):
@@ -167,14 +187,58 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
+    checkpointing = False  # activation checkpointing per block (--checkpoint-activations)
+    loss_tile_tokens: int | None = None  # set: forward(labels=) returns the tiled loss sum
+    _checkpoint: Callable[..., torch.Tensor] | None = None
+
+    def enable_long_sequence(self, *, tiled_mlp: bool, tiled_loss: bool, offload_checkpoints: bool,
+                             tile_tokens: int | None) -> None:
+        """The ``"ring_sp"`` section's long-sequence switches (``rsp_ds.initialize`` calls this).
+
+        ``tiled_mlp``: each block's MLP over tiles of ``tile_tokens`` tokens; ``tiled_loss``:
+        ``forward(..., labels=)`` returns the summed loss of the head over tiles, never the
+        full logits; ``offload_checkpoints``: the checkpointed block inputs in host memory
+        (needs ``checkpointing``). The same ring_sp/ pieces as the Hugging Face integration.
+        """
+        tile = check_tile_tokens(tile_tokens)
+        if offload_checkpoints and not self.checkpointing:
+            raise ValueError("offload_checkpoints=True needs activation checkpointing: pass --checkpoint-activations, "
+                             "or offload_checkpoints=False")
+        for block in self.blocks:
+            block.mlp_tile_tokens = tile if tiled_mlp else None
+        self.loss_tile_tokens = tile if tiled_loss else None
+        self._checkpoint = OffloadedCheckpoint() if offload_checkpoints else None
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """``cu_seqlens``: boundaries of packed documents in the global row (attention stays inside)."""
+                cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """``cu_seqlens``: boundaries of packed documents in the global row (attention stays inside).
+
+        Returns the logits ``[b, n, vocab]``; with ``labels`` (tiled loss on) the SUM of the
+        shard's token losses (0-d fp32) instead, computed over tiles.
+        """
         cos, sin = rope_tables(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.wte(input_ids)
         for block in self.blocks:
-            x = block(x, cos, sin, cu_seqlens)
-        return self.lm_head(self.ln_f(x))
+            if self.checkpointing and self.training:
+                run = self._checkpoint or functools.partial(checkpoint, use_reentrant=False)
+                x = run(block, x, cos, sin, cu_seqlens)
+            else:
+                x = block(x, cos, sin, cu_seqlens)
+        x = self.ln_f(x)
+        if labels is None:
+            return self.lm_head(x)
+        if self.loss_tile_tokens is None:
+            raise ValueError("forward(labels=) is the tiled loss: switch it on with tiled_loss (ring_sp.tiled_loss)")
+        return tiled_linear_cross_entropy(x, self.lm_head.weight, labels, tile_tokens=self.loss_tile_tokens)
+
+
+def tiled_loss(loss_sum: torch.Tensor, labels: torch.Tensor, engine: Any) -> torch.Tensor:
+    """The mean over the full sample(s) from this shard's summed loss (``GPT.forward(labels=)``)."""
+    count = (labels != ring_sp.IGNORE_INDEX).sum()
+    if getattr(engine, "ring_sp_topology", None) is None:
+        return loss_sum / count.clamp(min=1)
+    return ring_sp.sequence_parallel_loss(loss_sum, count, group=engine.ring_sp_topology.sp_group,
+                                          gradients_averaged_over_sp=rsp_ds.gradients_averaged_over_sp(engine))
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, engine: Any) -> torch.Tensor:
@@ -199,6 +263,12 @@ def common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="pack whole documents per row, attention inside each (this example: with --layout document_zigzag)")
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu (samples per SP group)")
     p.add_argument("--bf16", action="store_true", help="train in bf16 (GPUs)")
+    p.add_argument("--tiled-mlp", action="store_true", help="set ring_sp.tiled_mlp: MLPs over token tiles")
+    p.add_argument("--tiled-loss", action="store_true", help="set ring_sp.tiled_loss: head + loss over token tiles")
+    p.add_argument("--tile-tokens", type=int, help="set ring_sp.tile_tokens (tokens per tile)")
+    p.add_argument("--checkpoint-activations", action="store_true", help="activation checkpointing per layer")
+    p.add_argument("--offload-checkpoints", action="store_true",
+                   help="set ring_sp.offload_checkpoints: checkpointed activations in host memory (with --checkpoint-activations)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--d-model", type=int, default=128)
@@ -232,6 +302,11 @@ def ds_config_from_args(args: argparse.Namespace) -> dict:
     for key in ("ulysses_size", "ring_size", "layout"):
         if getattr(args, key) is not None:
             section[key] = getattr(args, key)
+    for key in ("tiled_mlp", "tiled_loss", "offload_checkpoints"):
+        if getattr(args, key):
+            section[key] = True
+    if args.tile_tokens is not None:
+        section["tile_tokens"] = args.tile_tokens
     if args.zero_stage is not None:
         config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
     if args.micro_batch is not None:
@@ -338,6 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     layout = "zigzag" if sp_config is None else sp_config.layout
     cfg = GPTConfig(d_model=args.d_model, n_layer=args.layers, n_head=args.heads, n_kv_head=args.kv_heads)
     model = GPT(cfg, topology, layout=layout, backend="auto" if sp_config is None else sp_config.backend)
+    model.checkpointing = args.checkpoint_activations  # before initialize, which applies the section's tiling
     n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args.warmup, args.steps))
@@ -367,7 +443,10 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
     progress = Progress(args.steps, log_json=args.log_json, enabled=dist.get_rank() == 0, start_step=start_step)
     def loss_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return loss_fn(engine(batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens")), batch["labels"], engine)
+        inputs = (batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens"))
+        if model.loss_tile_tokens is not None:  # ring_sp.tiled_loss: the full logits never exist
+            return tiled_loss(engine(*inputs, labels=batch["labels"]), batch["labels"], engine)
+        return loss_fn(engine(*inputs), batch["labels"], engine)
 
     held_out = held_out_dataset(args)
     eval_loader = torch.utils.data.DataLoader(  # each held-out sample once over the replicas

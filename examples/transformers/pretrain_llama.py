@@ -6,7 +6,7 @@ The model is ``transformers``' own ``LlamaForCausalLM`` built from a config (no 
 U2 x R2 by default) gives the grid. What a user adds to a DeepSpeed loop, marked
 ``# ring_sp`` below: build the topology from the config, ``register`` it before the
 model, shard each GLOBAL batch with ``shard_batch``, and take the loss from
-``causal_lm_loss``. Data: Python's stdlib docstrings as bytes. Run it with the launcher::
+``model_loss`` (``--tiled-mlp --tiled-loss``: the long-sequence step, never the full logits). Data: Python's stdlib docstrings as bytes. Run it with the launcher::
 
     examples/transformers/pretrain_llama.sh --cpu                      # 4 CPU ranks, U2 x R2
     examples/transformers/pretrain_llama.sh --cpu --pack-documents     # whole documents, position_ids restarting
@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         layout = sp_config.layout
         attention = rsp_hf.register(topology, layout=layout, backend=sp_config.backend)  # ring_sp: "ring_sp"
     model = AutoModelForCausalLM.from_config(llama_config(args), attn_implementation=attention, dtype=torch.float32)
+    if args.checkpoint_activations:
+        model.gradient_checkpointing_enable()  # before initialize, which applies ring_sp.offload_checkpoints
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args.warmup, args.steps))
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
               f"layout {layout}{', packed documents' if args.pack_documents else ''}", file=sys.stderr)
     progress = Progress(args.steps, log_json=args.log_json, enabled=dist.get_rank() == 0)
     def loss_of(shard: dict[str, torch.Tensor]) -> torch.Tensor:
-        return rsp_hf.causal_lm_loss(engine(**shard).logits, shard["shift_labels"], engine=engine)  # ring_sp
+        return rsp_hf.model_loss(engine, shard)  # ring_sp: the exact loss (tiled with --tiled-loss)
 
     held_out = held_out_dataset(args)
     eval_loader = torch.utils.data.DataLoader(  # ring_sp: each held-out sample once over the replicas, sharded

@@ -3,7 +3,8 @@
 Example section (every key optional; defaults shown in :class:`RingSPConfig`)::
 
     "ring_sp": {"ulysses_size": 2, "ring_size": 4, "layout": "zigzag",
-                "placement": "ulysses_inner", "backend": "auto", "kv_exchange": "ring"}
+                "placement": "ulysses_inner", "backend": "auto", "kv_exchange": "ring",
+                "tiled_mlp": true, "tiled_loss": true, "offload_checkpoints": false, "tile_tokens": null}
 
 Everything here is pure Python (no DeepSpeed import, no communication), so every rank can
 check the section before the first collective, and errors name the key and the fix.
@@ -20,6 +21,7 @@ from typing import Any
 
 from ring_sp import LAYOUTS, PLACEMENTS
 from ring_sp.kernels import BACKENDS
+from ring_sp.tiling import check_tile_tokens
 from ring_sp.validation import KV_EXCHANGES
 
 SECTION = "ring_sp"
@@ -42,7 +44,9 @@ class RingSPConfig:
     ring (``ring_inner``) is made of consecutive ranks; ``backend`` the local attention
     kernel; ``kv_exchange`` how a ring group exchanges KV (``ring``, ``all_gather`` or
     ``auto``: see :func:`ring_sp.ring_attention`); ``enabled: false`` keeps the section but
-    turns ring_sp off.
+    turns ring_sp off. ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints`` and
+    ``tile_tokens`` switch on the long-sequence step (default off; see
+    ``ring_sp.integrations.transformers.enable_long_sequence``).
     """
 
     ulysses_size: int = 1
@@ -52,6 +56,10 @@ class RingSPConfig:
     backend: str = "auto"
     kv_exchange: str = "ring"
     enabled: bool = True
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    offload_checkpoints: bool = False
+    tile_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for key in ("ulysses_size", "ring_size"):
@@ -67,8 +75,10 @@ class RingSPConfig:
                 raise TypeError(f"{SECTION}.{key} must be a string, one of {list(allowed)}; got {_describe(value)}")
             if value not in allowed:
                 raise ValueError(f"{SECTION}.{key}={value!r} is not one of {list(allowed)}; pick one of them")
-        if not isinstance(self.enabled, bool):
-            raise TypeError(f"{SECTION}.enabled must be true or false; got {_describe(self.enabled)}")
+        for key in ("enabled", "tiled_mlp", "tiled_loss", "offload_checkpoints"):
+            if not isinstance(getattr(self, key), bool):
+                raise TypeError(f"{SECTION}.{key} must be true or false; got {_describe(getattr(self, key))}")
+        check_tile_tokens(self.tile_tokens, name=f"{SECTION}.tile_tokens")
         if self.layout == "striped" and self.ulysses_size > 1 and self.ring_size > 1:
             # after the Ulysses all-to-all a ring rank would not hold a striped ring shard
             raise ValueError(
@@ -81,6 +91,14 @@ class RingSPConfig:
     def sp_size(self) -> int:
         """Ranks per sequence-parallel group: ``ulysses_size * ring_size``."""
         return self.ulysses_size * self.ring_size
+
+    @property
+    def long_sequence(self) -> dict[str, Any] | None:
+        """``enable_long_sequence``'s keyword arguments, or None when the section switches none of it on."""
+        if not (self.tiled_mlp or self.tiled_loss or self.offload_checkpoints):
+            return None
+        return {"tiled_mlp": self.tiled_mlp, "tiled_loss": self.tiled_loss,
+                "offload_checkpoints": self.offload_checkpoints, "tile_tokens": self.tile_tokens}
 
     @classmethod
     def from_dict(cls, section: object) -> RingSPConfig:

@@ -161,7 +161,10 @@ def initialize(
     ``DP = world / (U * R)`` replicas; ``engine.ring_sp_topology`` and
     ``engine.ring_sp_config`` give the topology and the parsed section. The topology is the
     one the model's ``SequenceParallelAttention`` modules use, or a new one when the model
-    has none. Compute the loss with :func:`ring_sp.integrations.deepspeed.cross_entropy`.
+    has none. Compute the loss with :func:`ring_sp.integrations.deepspeed.cross_entropy`, or
+    for a Hugging Face model ``ring_sp.integrations.transformers.model_loss(engine, shard)``,
+    which honours the section's ``tiled_mlp`` / ``tiled_loss`` / ``offload_checkpoints``
+    (applied to the model here, before any collective).
     ``distributed_port=None`` means DeepSpeed's default. On CPU ranks DeepSpeed's comm starts
     without building its C++ shared-memory op (:func:`skip_cpu_inference_comm_build`).
     """
@@ -193,6 +196,8 @@ def initialize(
     if isinstance(model, PipelineModule):
         raise ValueError(f"the {SECTION!r} section does not support pipeline parallelism (model is a PipelineModule)")
 
+    if sp.long_sequence is not None:
+        _enable_long_sequence(model, sp)  # local: before any collective
     _init_distributed(distributed_port, dist_init_required)
     ds_config = sp.apply(user_config, dist.get_world_size())
     topology = _model_topology(model, sp)
@@ -241,6 +246,26 @@ def _refuse_sequence_parallel_model(model: torch.nn.Module, user_config: Mapping
         f"topology was built from (e.g. \"{SECTION}\": {{\"ulysses_size\": 2, \"ring_size\": 2}}), or build the "
         f'model without ring_sp (attn_implementation="sdpa" / a plain attention)'
     )
+
+
+def _enable_long_sequence(model: torch.nn.Module, sp: RingSPConfig) -> None:
+    """The section's ``tiled_mlp`` / ``tiled_loss`` / ``offload_checkpoints`` / ``tile_tokens`` on ``model``.
+
+    A model with an ``enable_long_sequence(**options)`` method of its own (the DeepSpeed GPT
+    example) takes them itself; any other is a Hugging Face causal LM
+    (``ring_sp.integrations.transformers.enable_long_sequence``). Errors name the config keys.
+    """
+    from ring_sp.integrations.transformers.long_sequence import enable_long_sequence
+
+    own = getattr(model, "enable_long_sequence", None)
+    try:
+        if callable(own):
+            own(**sp.long_sequence)
+        else:
+            enable_long_sequence(model, **sp.long_sequence)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f'the DeepSpeed config\'s "{SECTION}" section asks for {sp.long_sequence}: {exc} (a keyword '
+                        f'"x=False" is "{SECTION}": {{"x": false}} in the config)') from exc
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

@@ -15,6 +15,8 @@
   run on the wrong rank, topology, layout, documents or positions raises: :mod:`.shards`). Sliding windows (``sliding_window``, ``layer_types``) and attention
   sinks (gpt-oss) run exactly.
 * :func:`causal_lm_loss`: the exact loss over the SP group, scaled for the engine in use.
+* :func:`enable_long_sequence` / :func:`model_loss`: the long-sequence step (tiled MLP,
+  tiled logits + loss that never builds the full logits, checkpoints offloaded to host).
 * :class:`UnsupportedFeatureError`: what an unsupported model feature raises, on every rank,
   before any collective (chunked attention, attention dropout, padding or custom masks,
   generation with a KV cache; ``generate()`` on more than one SP rank raises before the
@@ -28,6 +30,7 @@ from __future__ import annotations
 from .attention import ATTN_IMPLEMENTATION, Registration, register, registered_topology, registration, uses_ring_sp
 from .data import document_boundaries, shard_batch
 from .features import UnsupportedFeatureError
+from .long_sequence import enable_long_sequence, long_sequence_config, model_loss
 from .loss import causal_lm_loss
 
 __all__ = [
@@ -36,6 +39,9 @@ __all__ = [
     "UnsupportedFeatureError",
     "causal_lm_loss",
     "document_boundaries",
+    "enable_long_sequence",
+    "long_sequence_config",
+    "model_loss",
     "register",
     "registered_topology",
     "registration",

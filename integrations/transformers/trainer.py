@@ -25,7 +25,9 @@ The collator still returns GLOBAL batches (``input_ids``, ``labels``, optional
   (:func:`..shard_batch`);
 * loss: the Trainer counts the valid tokens of the whole optimizer step (every
   gradient-accumulation micro-batch, every rank) and the loss is the token mean over them,
-  as the Trainer does without SP, with the backward scaled for the ZeRO stage's reduction.
+  as the Trainer does without SP, with the backward scaled for the ZeRO stage's reduction;
+  the section's ``tiled_mlp`` / ``tiled_loss`` / ``offload_checkpoints`` (applied by
+  ``initialize``) make it the long-sequence step (:func:`..model_loss`'s tiled loss).
 
 Importing this module (with DeepSpeed installed) keeps DeepSpeed's CPU backend from
 JIT-compiling its C++ shared-memory op when ``TrainingArguments`` starts it
@@ -51,7 +53,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import EvalLoopOutput
 
@@ -62,7 +63,7 @@ from ring_sp.integrations.versions import require_supported
 
 from .attention import ATTN_IMPLEMENTATION, register, registration, uses_ring_sp
 from .data import shard_batch
-from .loss import causal_lm_loss
+from .long_sequence import shard_loss_sum
 
 if importlib.util.find_spec("deepspeed") is not None:
     # TrainingArguments(deepspeed=...) starts DeepSpeed's comm in its constructor, before any
@@ -249,6 +250,9 @@ class SequenceParallelTrainer(Trainer):
             "accelerator_config.dispatch_batches": (bool(args.accelerator_config.dispatch_batches), "set it to False"),
             "n_gpu > 1 (DataParallel)": (args.n_gpu > 1, "launch one process per device"),
             "compute_metrics": (self.compute_metrics is not None, _NO_LOGITS),
+            f"{rsp_ds.SECTION}.offload_checkpoints without gradient_checkpointing": (
+                sp.offload_checkpoints and not args.gradient_checkpointing,
+                f'set TrainingArguments(gradient_checkpointing=True) or "{rsp_ds.SECTION}": {{"offload_checkpoints": false}}'),
         }
         for name, (present, fix) in unsupported.items():
             if present:
@@ -373,35 +377,26 @@ class SequenceParallelTrainer(Trainer):
                                         num_items_in_batch=num_items_in_batch)
         topology = self.ring_sp_topology
         averaged = self.deepspeed is not None and rsp_ds.gradients_averaged_over_sp(self.deepspeed)
-        if num_items_in_batch is None:
-            shift_labels, outputs, logits = self._shard_forward(model, inputs)
-            loss = causal_lm_loss(logits, shift_labels, topology=topology, gradients_averaged_over_sp=averaged)
-        else:
-            loss_sum, _, outputs = self._shard_loss_sum(model, inputs)
+        loss_sum, count, outputs = self._shard_loss_sum(model, inputs)  # tiled when the section says so
+        if num_items_in_batch is not None:
             # every rank claims an equal share of the step's count: summed over the SP group it is
             # the replica's share count / DP, so the value and backward are as documented above
-            share = torch.as_tensor(num_items_in_batch, dtype=torch.float64, device=loss_sum.device)
-            share = share / (topology.dp_size * topology.sp_size)
-            loss = sequence_parallel_loss(loss_sum, share, group=topology.sp_group, gradients_averaged_over_sp=averaged)
+            count = torch.as_tensor(num_items_in_batch, dtype=torch.float64, device=loss_sum.device)
+            count = count / (topology.dp_size * topology.sp_size)
+        loss = sequence_parallel_loss(loss_sum, count, group=topology.sp_group, gradients_averaged_over_sp=averaged)
         return (loss, outputs) if return_outputs else loss
 
     @staticmethod
-    def _shard_forward(model: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, Any, torch.Tensor]:
-        """(shift_labels, outputs, logits) of this rank's shard; ``labels`` never reach the model."""
+    def _shard_loss_sum(model: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """(sum of this shard's token losses in fp32, its valid-token count, the model's outputs);
+        ``labels`` never reach the model; the loss is tiled when ``enable_long_sequence`` says so."""
         inputs = dict(inputs)
         shift_labels = inputs.pop("shift_labels", None)
         if shift_labels is None:
             raise ValueError("the batch has no 'shift_labels': build it with the Trainer's collator "
                              "(SequenceParallelCollator around a collator of global batches with input_ids/labels)")
         inputs.pop("labels", None)
-        outputs = model(**inputs)
-        return shift_labels, outputs, outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-
-    def _shard_loss_sum(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """(sum of this shard's token losses in fp32, its valid-token count, the model's outputs)."""
-        shift_labels, outputs, logits = self._shard_forward(model, inputs)
-        loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum")
+        loss_sum, outputs = shard_loss_sum(model, inputs, shift_labels)
         return loss_sum, (shift_labels != IGNORE_INDEX).sum(), outputs
 
 

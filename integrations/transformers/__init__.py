@@ -14,6 +14,8 @@
   this rank's shard. Sliding windows (``sliding_window``, ``layer_types``) and attention
   sinks (gpt-oss) run exactly.
 * :func:`causal_lm_loss`: the exact loss over the SP group, scaled for the engine in use.
+* :func:`enable_long_sequence` / :func:`model_loss`: the long-sequence step (tiled MLP,
+  tiled logits + loss that never builds the full logits, checkpoints offloaded to host).
 * :class:`UnsupportedFeatureError`: what an unsupported model feature raises, on every rank,
   before any collective (chunked attention, attention dropout, padding or custom masks,
   generation with a KV cache).
@@ -26,6 +28,7 @@ from __future__ import annotations
 from .attention import ATTN_IMPLEMENTATION, Registration, register, registered_topology, registration, uses_ring_sp
 from .data import document_boundaries, shard_batch
 from .features import UnsupportedFeatureError
+from .long_sequence import enable_long_sequence, long_sequence_config, model_loss
 from .loss import causal_lm_loss
 
 __all__ = [
@@ -34,6 +37,9 @@ __all__ = [
     "UnsupportedFeatureError",
     "causal_lm_loss",
     "document_boundaries",
+    "enable_long_sequence",
+    "long_sequence_config",
+    "model_loss",
     "register",
     "registered_topology",
     "registration",

@@ -45,19 +45,35 @@ def causal_lm_loss(
             f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} must agree on [batch, seq]; "
             f"pass model(**shard).logits and shard['shift_labels'] of the same shard"
         )
+    reduction = loss_reduction(engine=engine, topology=topology, gradients_averaged_over_sp=gradients_averaged_over_sp)
+    if reduction is None:
+        return _plain_mean(logits, shift_labels, ignore_index)
+    group, averaged = reduction
+    return sequence_parallel_cross_entropy(logits, shift_labels, group=group, ignore_index=ignore_index,
+                                           gradients_averaged_over_sp=averaged)
+
+
+def loss_reduction(*, engine: Any = None, topology: SequenceParallelTopology | None = None,
+                   gradients_averaged_over_sp: bool | None = None) -> tuple[Any, bool] | None:
+    """``(SP group, gradients_averaged_over_sp)`` for the loss of :func:`causal_lm_loss`'s arguments.
+
+    None: no sequence parallelism (no engine and no topology, or an engine without a
+    ``"ring_sp"`` section), the plain mean. Validates the combination (local, no communication).
+    """
     if engine is not None and (topology is not None or gradients_averaged_over_sp is not None):
         raise ValueError("pass engine= alone (it knows its topology and gradient reduction), or topology= with "
                          "gradients_averaged_over_sp=, not both")
     if engine is not None:
-        if getattr(engine, "ring_sp_topology", None) is None:
-            return _plain_mean(logits, shift_labels, ignore_index)
-        from ring_sp.integrations.deepspeed import cross_entropy
+        engine_topology = getattr(engine, "ring_sp_topology", None)
+        if engine_topology is None:
+            return None
+        from ring_sp.integrations.deepspeed import gradients_averaged_over_sp as averaged_by
 
-        return cross_entropy(logits, shift_labels, engine, ignore_index=ignore_index)
+        return engine_topology.sp_group, averaged_by(engine)
     if topology is None:
         if gradients_averaged_over_sp is not None:
             raise ValueError("gradients_averaged_over_sp= needs topology= (the SP group to reduce over)")
-        return _plain_mean(logits, shift_labels, ignore_index)
+        return None
     if not isinstance(topology, SequenceParallelTopology):
         raise TypeError(f"topology must be a ring_sp.SequenceParallelTopology; got {type(topology).__name__}")
     if not isinstance(gradients_averaged_over_sp, bool):
@@ -65,8 +81,7 @@ def causal_lm_loss(
             f"with topology=, gradients_averaged_over_sp must be True (your reduction averages over DP x SP) or False "
             f"(it sums over SP); got {gradients_averaged_over_sp!r}"
         )
-    return sequence_parallel_cross_entropy(logits, shift_labels, group=topology.sp_group, ignore_index=ignore_index,
-                                           gradients_averaged_over_sp=gradients_averaged_over_sp)
+    return topology.sp_group, gradients_averaged_over_sp
 
 
 def _plain_mean(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -74,4 +89,4 @@ def _plain_mean(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index)
 
 
-__all__ = ["causal_lm_loss"]
+__all__ = ["causal_lm_loss", "loss_reduction"]

@@ -1,0 +1,177 @@
+"""Activation checkpoints in host memory: offloaded in the forward, prefetched one layer ahead in the backward.
+
+With activation checkpointing a model keeps, per layer, only the layer's input hidden state
+``[b, n, H]``; at long context those are still ``layers x tokens x H`` (32 GiB for a
+Llama-3-8B shard of 131K tokens). :class:`OffloadedCheckpoint` is a checkpoint function
+(``fn, *args -> fn(*args)``, what Hugging Face layers call as ``_gradient_checkpointing_func``)
+that checkpoints the layer and moves what the checkpoint keeps to the host through a
+:class:`Mover`:
+
+* forward: each tensor the checkpoint saves goes to the host as it is saved
+  (``torch.autograd.graph.saved_tensors_hooks`` around ``torch.utils.checkpoint``);
+* backward: the first unpack of layer ``i``'s tensors waits for them and starts the copy
+  of layer ``i - 1``'s (the next the backward needs) to the device, so the copy overlaps
+  layer ``i``'s recompute and backward.
+
+The seam is the :class:`Mover` (``to_host`` / ``to_device`` start a copy, ``wait`` returns
+the result): :class:`CudaMover` uses pinned host memory, a side stream and events;
+:class:`HostMover` serves CPU tensors, which already live in host memory (no copy); tests
+record what moves when with a mover of their own.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+class Mover(Protocol):
+    """Moves one saved tensor to the host and back. Each call starts a copy; ``wait`` finishes one."""
+
+    def to_host(self, tensor: torch.Tensor) -> Any:
+        """Start copying ``tensor`` to host memory; return a handle (the caller drops ``tensor``)."""
+
+    def to_device(self, handle: Any) -> Any:
+        """Start copying a host handle back to its device; return a pending handle."""
+
+    def wait(self, pending: Any) -> torch.Tensor:
+        """The device tensor of a pending handle, ready for use on the current stream."""
+
+
+class HostMover:
+    """CPU tensors: already in host memory, so nothing moves (the handles are the tensors)."""
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def to_device(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle
+
+    def wait(self, pending: torch.Tensor) -> torch.Tensor:
+        return pending
+
+
+class CudaMover:
+    """CUDA tensors to pinned host memory and back on one side stream, ordered by events.
+
+    ``to_host``: the side stream waits for the current stream (the tensor is complete),
+    copies into pinned memory and records the tensor on the side stream (its memory is not
+    reused before the copy ends). ``to_device``: the copy back runs on the same side stream
+    (so after the copy out). ``wait``: the current stream waits for that copy's event.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
+        stream = self._stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(stream)
+        return host, tensor.device
+
+    def to_device(self, handle: tuple[torch.Tensor, torch.device]) -> tuple[torch.Tensor, torch.cuda.Event]:
+        host, device = handle
+        stream = self._stream(device)
+        with torch.cuda.stream(stream):
+            tensor = torch.empty(host.shape, dtype=host.dtype, device=device)
+            tensor.copy_(host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return tensor, done
+
+    def wait(self, pending: tuple[torch.Tensor, torch.cuda.Event]) -> torch.Tensor:
+        tensor, done = pending
+        current = torch.cuda.current_stream(tensor.device)
+        current.wait_event(done)
+        tensor.record_stream(current)  # allocated on the side stream, used on this one
+        return tensor
+
+
+class DeviceMover:
+    """The default: :class:`CudaMover` for CUDA tensors, :class:`HostMover` for the rest."""
+
+    def __init__(self) -> None:
+        self._host, self._cuda = HostMover(), None
+
+    def _for(self, is_cuda: bool) -> Mover:
+        if not is_cuda:
+            return self._host
+        if self._cuda is None:
+            self._cuda = CudaMover()
+        return self._cuda
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[bool, Any]:
+        return tensor.is_cuda, self._for(tensor.is_cuda).to_host(tensor)
+
+    def to_device(self, handle: tuple[bool, Any]) -> tuple[bool, Any]:
+        return handle[0], self._for(handle[0]).to_device(handle[1])
+
+    def wait(self, pending: tuple[bool, Any]) -> torch.Tensor:
+        return self._for(pending[0]).wait(pending[1])
+
+
+class _Layer:
+    """What one checkpointed layer call saved: host handles, then pending device copies."""
+
+    def __init__(self, mover: Mover, index: int, previous: _Layer | None) -> None:
+        self.mover, self.index = mover, index
+        self.previous = None if previous is None else weakref.ref(previous)  # the layer before, in the forward
+        self.host: list[Any] = []
+        self.pending: list[Any] | None = None
+
+    def pack(self, tensor: torch.Tensor) -> tuple[_Layer, int]:
+        self.host.append(self.mover.to_host(tensor))
+        return self, len(self.host) - 1
+
+    def fetch(self) -> None:
+        """Start every copy back (once)."""
+        if self.pending is None:
+            self.pending = [None if h is None else self.mover.to_device(h) for h in self.host]
+
+    def unpack(self, handle: tuple[_Layer, int]) -> torch.Tensor:
+        _, i = handle
+        self.fetch()
+        previous = None if self.previous is None else self.previous()
+        if previous is not None:
+            previous.fetch()  # one layer ahead: the backward needs it next
+        tensor = self.mover.wait(self.pending[i])
+        self.host[i] = self.pending[i] = None  # each saved tensor is unpacked once
+        return tensor
+
+
+class OffloadedCheckpoint:
+    """A checkpoint function whose kept tensors live in host memory (see the module docstring).
+
+    ``mover``: where tensors go (default :class:`DeviceMover`). Call as
+    ``checkpoint(fn, *args)``; it runs ``torch.utils.checkpoint.checkpoint(fn, *args,
+    use_reentrant=True)``, whose saved inputs pass through the mover (the non-reentrant
+    variant keeps its inputs out of reach of saved-tensor hooks). ``layers_called`` counts
+    calls (the forward order that decides the prefetch).
+    """
+
+    def __init__(self, mover: Mover | None = None) -> None:
+        self.mover: Mover = DeviceMover() if mover is None else mover
+        self.layers_called = 0
+        self._last: Callable[[], _Layer | None] = lambda: None
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        layer = _Layer(self.mover, self.layers_called, self._last())
+        self.layers_called += 1
+        self._last = weakref.ref(layer)
+        with torch.autograd.graph.saved_tensors_hooks(layer.pack, lambda handle: handle[0].unpack(handle)):
+            return checkpoint(fn, *args, use_reentrant=True, **kwargs)
+
+
+__all__ = ["CudaMover", "DeviceMover", "HostMover", "Mover", "OffloadedCheckpoint"]

@@ -1,0 +1,205 @@
+"""Sequence tiling: per-token work over tiles of tokens, each tile recomputed in the backward.
+
+At long context the per-token parts of a training step, not attention, hold the most memory:
+the ``[tokens, vocab]`` logits of the loss and the ``[tokens, ffn]`` intermediates of the MLP.
+Both are per-token, so they can run over tiles of ``tile_tokens`` tokens: the forward keeps
+no tile's intermediates (only the input, which the caller holds anyway), and the backward
+recomputes one tile at a time. At most one tile of intermediates exists at once.
+
+* :func:`tiled_map`: ``fn(x_tile, *params)`` over token tiles (an MLP);
+* :func:`tiled_linear_cross_entropy`: ``hidden @ weight.T`` (+ bias, optional logit
+  soft-capping) and the summed cross entropy over tiles (an LM head and its loss).
+
+Each is ONE autograd Function over all tiles, with the weights as its inputs: the
+weights are read once per forward and once per backward (a ZeRO-3 engine gathers them once
+per call, not once per tile), and their gradients are summed over the tiles inside and
+handed to autograd once (one gradient hook per parameter per step). Framework-agnostic:
+no distributed calls here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .data import IGNORE_INDEX
+
+DEFAULT_TILE_TOKENS = 2048
+"""Tokens per tile when ``tile_tokens=None``: with a 128K vocabulary one fp32 logits tile is
+1 GiB, the size of DeepSpeed ALST's default loss tile; an MLP tile of Llama-3-8B (ffn 14,336,
+bf16, three intermediates) 168 MiB."""
+
+
+def check_tile_tokens(tile_tokens: int | None, *, name: str = "tile_tokens") -> int:
+    """``tile_tokens`` as a positive int (``None`` -> :data:`DEFAULT_TILE_TOKENS`); else a clear error."""
+    if tile_tokens is None:
+        return DEFAULT_TILE_TOKENS
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int):
+        raise TypeError(f"{name} must be a positive int (tokens per tile) or None (the default "
+                        f"{DEFAULT_TILE_TOKENS}); got {type(tile_tokens).__name__} {tile_tokens!r}")
+    if tile_tokens <= 0:
+        raise ValueError(f"{name}={tile_tokens} must be >= 1 (tokens per tile); pass e.g. {name}=2048 or None "
+                         f"(the default {DEFAULT_TILE_TOKENS})")
+    return tile_tokens
+
+
+def _accumulator(param: torch.Tensor) -> torch.Tensor:
+    """Where a parameter's per-tile gradients are summed: fp32 for lower-precision parameters."""
+    return torch.zeros_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
+
+
+def _leaves(params: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Detached copies of the parameters (same storage) that record a tile's graph of their own."""
+    return [None if p is None else p.detach().requires_grad_(p.requires_grad) for p in params]
+
+
+class _TiledMap(torch.autograd.Function):
+    """``y = fn(x, *params)`` row by row over tiles of ``x`` ``[T, H]``; each tile recomputed in the backward."""
+
+    @staticmethod
+    def forward(ctx, fn: Callable[..., torch.Tensor], tile_tokens: int, x: torch.Tensor,
+                *params: torch.Tensor | None) -> torch.Tensor:
+        ctx.fn, ctx.tile_tokens = fn, tile_tokens
+        ctx.save_for_backward(x, *params)
+        out = None
+        with torch.no_grad():
+            for start in range(0, x.shape[0], tile_tokens):
+                y = fn(x[start:start + tile_tokens], *params)
+                if out is None:  # its width and dtype are fn's: known after the first tile
+                    out = y.new_empty((x.shape[0], *y.shape[1:]))
+                out[start:start + y.shape[0]] = y
+        if out is None:  # no tokens: fn on an empty tile gives the output's shape
+            with torch.no_grad():
+                out = fn(x, *params)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, *params = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[2]
+        leaves = _leaves(params)
+        trained = [i for i, p in enumerate(leaves) if p is not None and p.requires_grad]
+        sums = {i: _accumulator(leaves[i]) for i in trained}
+        grad_x = torch.empty_like(x) if need_x else None
+        for start in range(0, x.shape[0], ctx.tile_tokens):
+            tile = x[start:start + ctx.tile_tokens].detach().requires_grad_(need_x)
+            with torch.enable_grad():
+                y = ctx.fn(tile, *leaves)
+            inputs = ([tile] if need_x else []) + [leaves[i] for i in trained]
+            if not inputs:
+                break
+            grads = torch.autograd.grad(y, inputs, grad_out[start:start + ctx.tile_tokens], allow_unused=True)
+            if need_x:
+                grad_x[start:start + tile.shape[0]] = grads[0]
+                grads = grads[1:]
+            for i, g in zip(trained, grads):
+                if g is not None:
+                    sums[i] += g
+        param_grads = [sums[i].to(params[i].dtype) if i in sums else None for i in range(len(params))]
+        return (None, None, grad_x, *param_grads)
+
+
+def tiled_map(fn: Callable[..., torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor | None], *,
+              tile_tokens: int) -> torch.Tensor:
+    """``fn(x, *params)`` computed over tiles of ``tile_tokens`` tokens, recomputed tile by tile in the backward.
+
+    ``x`` ``[..., H]`` (every leading dimension is tokens: ``fn`` must act on each token
+    alone, as an MLP does); ``fn(x_tile [t, H], *params) -> [t, O]`` must be a pure
+    function of its arguments (it reads every weight it uses from ``params``, so their
+    gradients flow through this call; it is called again in the backward). Returns
+    ``[..., O]``. Only one tile's intermediates ever exist; the parameters' gradients are
+    summed over the tiles and handed to autograd once.
+    """
+    tile_tokens = check_tile_tokens(tile_tokens)
+    flat = x.reshape(-1, x.shape[-1])
+    out = _TiledMap.apply(fn, tile_tokens, flat, *params)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _tile_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 softcap: float | None) -> torch.Tensor:
+    """fp32 logits of one tile, in the order of a Hugging Face head: linear and soft-cap in the model's dtype."""
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits.float()
+
+
+class _TiledLinearCrossEntropy(torch.autograd.Function):
+    """Summed cross entropy of ``hidden @ weight.T (+ bias)`` over token tiles; logits recomputed per tile."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                tile_tokens: int, ignore_index: int, softcap: float | None) -> torch.Tensor:
+        ctx.tile_tokens, ctx.ignore_index, ctx.softcap = tile_tokens, ignore_index, softcap
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], tile_tokens):
+            stop = start + tile_tokens
+            logits = _tile_logits(hidden[start:stop], weight, bias, softcap)
+            total += F.cross_entropy(logits, labels[start:stop], ignore_index=ignore_index, reduction="sum")
+            del logits
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        need_h = ctx.needs_input_grad[0]
+        leaves = _leaves((weight, bias))
+        trained = [p for p in leaves if p is not None and p.requires_grad]
+        sums = [_accumulator(p) for p in trained]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        for start in range(0, hidden.shape[0], ctx.tile_tokens):
+            stop = start + ctx.tile_tokens
+            tile = hidden[start:stop].detach().requires_grad_(need_h)
+            tile_labels = labels[start:stop]
+            with torch.enable_grad():
+                logits = _tile_logits(tile, leaves[0], leaves[1], ctx.softcap)
+            # d(sum of token losses)/d logits = softmax - one_hot, on valid tokens only
+            with torch.no_grad():
+                d_logits = torch.softmax(logits.detach(), dim=-1)
+                valid = tile_labels != ctx.ignore_index
+                rows = torch.arange(tile_labels.shape[0], device=tile_labels.device)
+                d_logits[rows, tile_labels.clamp(min=0)] -= 1.0
+                d_logits *= (valid.to(d_logits.dtype) * grad).unsqueeze(-1)
+            inputs = ([tile] if need_h else []) + trained
+            if not inputs:
+                break
+            grads = torch.autograd.grad(logits, inputs, d_logits)
+            del logits, d_logits
+            if need_h:
+                grad_h[start:start + tile.shape[0]] = grads[0]
+                grads = grads[1:]
+            for total, g in zip(sums, grads):
+                total += g
+        summed = iter(sums)
+        out = [next(summed).to(p.dtype) if p is not None and p.requires_grad else None for p in leaves]
+        return grad_h, out[0], out[1], None, None, None, None
+
+
+def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                               bias: torch.Tensor | None = None, tile_tokens: int,
+                               ignore_index: int = IGNORE_INDEX, softcap: float | None = None) -> torch.Tensor:
+    """The SUM of the next-token cross entropies of ``hidden @ weight.T (+ bias)``, over tiles of tokens.
+
+    ``hidden`` ``[..., H]``, ``labels`` ``[...]`` (already shifted; ``ignore_index`` tokens
+    count nothing), ``weight`` ``[V, H]`` (an LM head; a tied input embedding works alike),
+    ``softcap``: a Gemma-style ``tanh(logits / c) * c`` before the loss. Logits are computed
+    in the model's dtype and the loss in fp32, as transformers' causal-LM loss does. Returns
+    a 0-d fp32 tensor (divide by the valid-token count, or hand it to
+    :func:`ring_sp.sequence_parallel_loss`). Never more than one ``[tile_tokens, V]`` logits
+    tile exists: the backward recomputes each tile's logits.
+    """
+    tile_tokens = check_tile_tokens(tile_tokens)
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree on the token "
+                         f"dimensions (hidden [..., H], labels [...])")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [vocab, {hidden.shape[-1]}] for hidden {tuple(hidden.shape)}")
+    return _TiledLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
+                                          tile_tokens, ignore_index, softcap)
+
+
+__all__ = ["DEFAULT_TILE_TOKENS", "check_tile_tokens", "tiled_linear_cross_entropy", "tiled_map"]

@@ -23,12 +23,15 @@ point. The modes:
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ring_sp.step_memory import StepMemory, Training, Transformer, max_seq_len, step_memory
 
 from .launch import Launcher, PoolLauncher, TorchrunLauncher, device, sp_group
 from .memory import PeakMemory
@@ -79,12 +82,14 @@ def _model(config, attn: str):
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).train()
 
 
-def _ring_sp_step(mode: LengthMode, config, batch: dict[str, torch.Tensor], tile_tokens: int | None):
+def _ring_sp_step(mode: LengthMode, config, batch: dict[str, torch.Tensor], tile_tokens: int | None, topo=None):
+    """(model, loss function) of ring_sp on a ``mode.ulysses x R`` grid (``topo``: reuse one)."""
     import ring_sp
     import ring_sp.integrations.transformers as rsp_hf
 
-    p = torch.distributed.get_world_size(sp_group())
-    topo = ring_sp.init_sequence_parallel(mode.ulysses, p // mode.ulysses)
+    if topo is None:
+        p = torch.distributed.get_world_size(sp_group())
+        topo = ring_sp.init_sequence_parallel(mode.ulysses, p // mode.ulysses)
     rsp_hf.register(topo, layout="zigzag")
     model = _model(config, "ring_sp")
     if mode.tiled:
@@ -211,30 +216,78 @@ def length_case(mode: LengthMode, seq_len: int, tile_tokens: int | None, loss_ti
             "measured_step_s": seconds}
 
 
+def step_time_case(seq_len: int, tile_tokens: int | None, rounds: int, layers: int = 2) -> dict[str, list[float]]:
+    """Seconds of one training step (forward, loss, backward, AdamW) of ring_sp untiled and
+    tiled at U2xR2, the same model and batch, alternating step by step (``rounds`` each)."""
+    import ring_sp
+
+    torch.set_num_threads(1)
+    p = torch.distributed.get_world_size(sp_group())
+    topo = ring_sp.init_sequence_parallel(UNTILED.ulysses, p // UNTILED.ulysses)
+    config, batch = small_llama_config(layers), global_batch(seq_len)
+    steps = {}
+    for mode in (UNTILED, TILED_2X2):
+        model, loss_fn = _ring_sp_step(mode, config, batch, tile_tokens, topo)
+        steps[mode.name] = (loss_fn, warm_optimizer(model))
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, (loss_fn, optimizer) in steps.items():
+            torch.distributed.barrier(group=sp_group())
+            start = time.perf_counter()
+            loss_fn().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            times[name].append(time.perf_counter() - start)
+    return {name: t[1:] for name, t in times.items()}
+
+
 @dataclass(frozen=True)
 class LengthConfig:
     seq_lens: tuple[int, ...] = (8192, 16384, 32768, 65536)
     sp: int = 4
-    tile_tokens: int | None = None  # ring_sp's tiled modes: None = its default
-    loss_tile_tokens: int = 1024  # ALST's loss tiles
-    budget_bytes: float = 6 * 2**30  # points whose untiled estimate exceeds this per process are skipped
+    tile_tokens: int | None = 1024  # ring_sp's tiles (MLP and loss)
+    loss_tile_tokens: int = 1024  # ALST's loss tiles: the same size (its MLP keeps its own ceil(n / hidden) rule)
+    budget_bytes: float = 6 * 2**30  # points predicted above this per process are skipped
     machine_bytes: float = 8 * 2**30  # ... or whose processes together would exceed this
+    timing_seq_len: int = 8192  # step time of ring_sp tiled vs untiled (U2xR2), alternated
+    timing_rounds: int = 3
+    demo_budget_bytes: float = 2**30  # the longest-sequence demo: this much per rank
 
 
-# Bytes per token of the untiled step on one process (4 fp32 copies of the logits dominate),
-# used only to skip points that would not fit this shared machine; measured 566 KiB/token.
-UNTILED_BYTES_PER_TOKEN = 566 * 1024
+SMALL_LLAMA = Transformer(hidden=256, ffn=1024, heads=8, kv_heads=4, head_dim=32, layers=2, vocab=VOCAB,
+                          name="small HF Llama")
+PROCESS_BYTES = 2**29  # a rank's interpreter, torch and transformers, beyond its tensors
+
+
+def training_of(mode: LengthMode, cfg: LengthConfig) -> tuple[Training, int, int]:
+    """How ``ring_sp.step_memory`` describes ``mode`` (fp32, no ZeRO, AdamW, the benchmark's
+    tile sizes), and its grid (U, R)."""
+    ranks = mode.world_size(cfg.sp)
+    ours = mode.kind != "alst"
+    training = Training(dtype="fp32", tiled_mlp=mode.tiled, tiled_loss=mode.tiled,
+                        mlp_tile_tokens=cfg.tile_tokens if ours else None,
+                        loss_tile_tokens=cfg.tile_tokens if ours else cfg.loss_tile_tokens,
+                        library="ring_sp" if ours else "alst")
+    u = mode.ulysses if ranks > 1 else 1
+    return training, u, ranks // u
+
+
+def predict(mode: LengthMode, seq_len: int, cfg: LengthConfig | None = None) -> StepMemory:
+    """``ring_sp.step_memory``'s peak per rank for ``mode`` on :data:`SMALL_LLAMA`."""
+    training, u, r = training_of(mode, cfg or LengthConfig())
+    return step_memory(SMALL_LLAMA, training, seq_len=seq_len, ulysses=u, ring=r)
 
 
 def skip_reason(mode: LengthMode, seq_len: int, cfg: LengthConfig) -> str | None:
-    """Why a point is not run here, or None: untiled modes whose estimate exceeds the budget."""
-    if mode.tiled:
-        return None
+    """Why a point is not run on this shared machine, or None: the step's predicted peak per
+    rank (plus the process itself) over ``budget_bytes``, or all ranks together over
+    ``machine_bytes``."""
     ranks = mode.world_size(cfg.sp)
-    per_rank = UNTILED_BYTES_PER_TOKEN * seq_len / ranks
+    per_rank = predict(mode, seq_len, cfg).total + PROCESS_BYTES
     if per_rank > cfg.budget_bytes or per_rank * ranks > cfg.machine_bytes:
-        return (f"skipped: about {per_rank / 2**30:.1f} GiB per rank x {ranks} rank(s) (untiled) would exceed "
-                f"this shared machine's budget")
+        return (f"skipped: predicted {per_rank / 2**30:.1f} GiB per rank x {ranks} rank(s) exceeds this shared "
+                f"machine's budget ({cfg.budget_bytes / 2**30:.0f} GiB per process, "
+                f"{cfg.machine_bytes / 2**30:.0f} GiB in all)")
     return None
 
 
@@ -256,16 +309,116 @@ def run_point(run: Launcher, mode: LengthMode, seq_len: int, cfg: LengthConfig) 
 
 def length(run: Launcher, cfg: Any, log: Callable[[str], None], length_cfg: LengthConfig | None = None
            ) -> list[dict[str, Any]]:
-    """Every mode at every length (the big points one at a time, each in fresh processes)."""
-    lc = length_cfg or (LengthConfig(seq_lens=(2048, 4096)) if cfg.seq_lens[0] < 1024 else LengthConfig())
+    """Every mode at every length (each point in fresh processes, one at a time), then the
+    step time of ring_sp tiled vs untiled."""
+    lc = length_cfg or (LengthConfig(seq_lens=(2048, 4096), timing_seq_len=2048) if cfg.seq_lens[0] < 1024
+                        else LengthConfig())
     records = []
     for n in lc.seq_lens:
         for mode in LENGTH_MODES:
-            record = {"section": "length", "mode": mode.name, "seq_len": n, "world_size": mode.world_size(lc.sp)}
+            record = {"section": "length", "mode": mode.name, "seq_len": n, "world_size": mode.world_size(lc.sp),
+                      "predicted_bytes": predict(mode, n, lc).total}
             reason = skip_reason(mode, n, lc)
             if reason is not None:
                 records.append({**record, "skipped": reason})
                 continue
             log(f"length N={n}: {mode.name}")
             records.append({**record, **run_point(run, mode, n, lc)})
+    log(f"length: step time at N={lc.timing_seq_len}, ring_sp tiled vs untiled")
+    records.append(timing_record(run, lc))
     return records
+
+
+def timing_record(run: Launcher, lc: LengthConfig) -> dict[str, Any]:
+    fresh = not isinstance(run, TorchrunLauncher)
+    launcher = PoolLauncher() if fresh else run
+    try:
+        per_rank = launcher.run(step_time_case, lc.sp, lc.timing_seq_len, lc.tile_tokens, lc.timing_rounds)
+    finally:
+        if fresh:
+            launcher.close()
+    # a step lasts as long as its slowest rank; the median over rounds
+    steps = {name: statistics.median(max(r[name][i] for r in per_rank) for i in range(lc.timing_rounds))
+             for name in per_rank[0]}
+    return {"section": "length_timing", "seq_len": lc.timing_seq_len, "world_size": lc.sp, "step_s": steps,
+            "tiled_over_untiled": steps[TILED_2X2.name] / steps[UNTILED.name]}
+
+
+def _total(r: dict[str, Any]) -> float:
+    return r["resident_bytes"] + r["peak_bytes"]
+
+
+def markdown(records: list[dict[str, Any]], lc: LengthConfig | None = None) -> str:
+    """The section's tables: peak per rank vs N, growth per token, the planner against the
+    measurements, the step time, and the longest sequence within the demo budget."""
+    lc = lc or LengthConfig()
+    rows = [r for r in records if r["section"] == "length"]
+    seq_lens = sorted({r["seq_len"] for r in rows})
+    cell = {(r["mode"], r["seq_len"]): r for r in rows}
+    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+    out = ["Peak memory per rank of one training step, MiB (parameters, gradients and AdamW state, "
+           f"{mib(rows[0].get('resident_bytes', 0) or predict(SINGLE, 1024, lc).params * 4)} MiB, included; "
+           "in brackets the planner's prediction):", "",
+           "| mode | " + " | ".join(f"N={n:,}" for n in seq_lens) + " |", "|---|" + "---|" * len(seq_lens)]
+    for mode in LENGTH_MODES:
+        cells = []
+        for n in seq_lens:
+            r = cell.get((mode.name, n), {})
+            if "peak_bytes" in r:
+                cells.append(f"{mib(_total(r))} ({mib(r['predicted_bytes'])})")
+            elif "skipped" in r:
+                cells.append(f"skipped ({mib(r['predicted_bytes'])} predicted)")
+            else:
+                cells.append(r.get("error", "-"))
+        out.append(f"| {mode.name} | " + " | ".join(cells) + " |")
+    out += ["", "Growth per token between measured lengths, bytes of peak per rank per token of N:", "",
+            "| mode | interval | bytes / token |", "|---|---|---|"]
+    for mode in LENGTH_MODES:
+        measured = [(n, _total(cell[mode.name, n])) for n in seq_lens if "peak_bytes" in cell.get((mode.name, n), {})]
+        for (n0, b0), (n1, b1) in zip(measured, measured[1:]):
+            out.append(f"| {mode.name} | {n0:,} -> {n1:,} | {(b1 - b0) / (n1 - n0):,.1f} |")
+    worst = max((abs(r["predicted_bytes"] / _total(r) - 1) for r in rows if "peak_bytes" in r), default=0.0)
+    out += ["", f"Planner (`ring_sp.step_memory`) against every measured point: largest error {100 * worst:.1f}%."]
+    timing = [r for r in records if r["section"] == "length_timing"]
+    for t in timing:
+        steps = ", ".join(f"{name} {sec:.2f} s" for name, sec in t["step_s"].items())
+        out += ["", f"Step time at N={t['seq_len']:,} on {t['world_size']} ranks (median of the slowest rank, "
+                    f"alternated): {steps}; tiled / untiled = {t['tiled_over_untiled']:.3f}."]
+    out += ["", f"Longest sequence within {lc.demo_budget_bytes / 2**30:.0f} GiB per rank (the calibrated planner; "
+                "multiples of 2 x ranks):", "", "| mode | longest N | its predicted peak MiB |", "|---|---|---|"]
+    for mode in LENGTH_MODES:
+        training, u, r = training_of(mode, lc)
+        n, step = max_seq_len(SMALL_LLAMA, training, lc.demo_budget_bytes, ulysses=u, ring=r)
+        out.append(f"| {mode.name} | {n:,} | {mib(step.total) if step else '-'} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(records: list[dict[str, Any]], path) -> Any:
+    """Peak memory per rank vs N, log-log: measured points, the planner's predictions dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r["section"] == "length"]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    seq_lens = sorted({r["seq_len"] for r in rows})
+    for i, mode in enumerate(LENGTH_MODES):
+        mine = sorted((r for r in rows if r["mode"] == mode.name), key=lambda r: r["seq_len"])
+        color = f"C{i}"
+        measured = [r for r in mine if "peak_bytes" in r]
+        ax.plot([r["seq_len"] for r in measured], [_total(r) / 2**20 for r in measured], "o-", color=color,
+                label=mode.name)
+        ax.plot([r["seq_len"] for r in mine], [r["predicted_bytes"] / 2**20 for r in mine], "--", color=color,
+                alpha=0.5)
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N (tokens)", ylabel="peak MiB per rank",
+           title="One training step, small HF Llama, 4 CPU ranks (dashed: planner)")
+    ax.set_xticks(seq_lens, labels=[f"{n // 1024}K" for n in seq_lens])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

@@ -4,7 +4,8 @@ Sections: ``timing`` (every mode and DeepSpeed against one rank, sequence-length
 ``profile`` (bytes vs the design formulas, causal work per rank), ``memory`` (peak per
 rank while N grows at fixed P and while P grows at fixed N), ``activations`` (memory an
 attention layer keeps between forward and backward, plain and checkpointed, vs the planner), ``overlap`` (an injected
-link delay) and ``heads`` (fewer heads than ranks: who runs, and exactly?).
+link delay), ``heads`` (fewer heads than ranks: who runs, and exactly?) and ``length`` (the whole training step of a
+small HF Llama as N grows, tiled and untiled, against DeepSpeed ALST; :mod:`.length`, written to length.*).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from .cases import activation_case, exactness_case, overlap_case, profile_case, timing_case
 from .comm_bytes import formula_bytes
 from .launch import Launcher
+from .length import length
 from .modes import DEEPSPEED, SINGLE, Mode, Problem, comparison_modes
 from .timing import rank_balance, slowest_rank, step_time
 
@@ -242,5 +244,5 @@ def heads(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record
 
 SECTIONS: dict[str, Callable[[Launcher, Config, Callable[[str], None]], list[Record]]] = {
     "timing": timing, "profile": profile, "memory": memory, "activations": activations, "overlap": overlap,
-    "heads": heads,
+    "heads": heads, "length": length,
 }

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .planner import PlanError, attention_memory, dtype_bytes
+from .tiling import DEFAULT_TILE_TOKENS
 
 FP32 = 4
 ADAM_STATE_BYTES = 2 * FP32  # exp_avg and exp_avg_sq
@@ -117,9 +118,10 @@ class Training:
     ``master_weights`` (None: when ``dtype`` is not fp32) keeps fp32 copies for Adam;
     ``offload_optimizer``: moments, master weights and fp32 gradients live on the host
     (DeepSpeed ``offload_optimizer``); ``kernels``: "hf" (transformers' modules) or "fused"
-    (Liger-style RMSNorm / SwiGLU / RoPE); ``attention``: "ring_sp" (:func:`ring_sp.planner.attention_memory`)
-    or "alst" (DeepSpeed's Ulysses around transformers' flash-attention 2,
-    :func:`alst_attention_memory`); tile sizes in tokens (None: the library default:
+    (Liger-style RMSNorm / SwiGLU / RoPE); ``library``: "ring_sp" (its attention,
+    :func:`ring_sp.planner.attention_memory`, and tiles, :mod:`ring_sp.tiling`) or "alst"
+    (DeepSpeed's Ulysses around transformers' flash-attention 2, :func:`alst_attention_memory`,
+    and its ``TiledMLP`` / ``TiledFusedLogitsLoss``); tile sizes in tokens (None: the library default:
     ring_sp's ``tile_tokens``; ALST's MLP ``ceil(n / hidden)`` tiles, its loss 1 GiB of fp32
     logits per tile)."""
 
@@ -135,7 +137,7 @@ class Training:
     mlp_tile_tokens: int | None = None
     loss_tile_tokens: int | None = None
     kernels: str = "hf"
-    attention: str = "ring_sp"
+    library: str = "ring_sp"
     reduce_bucket: int = 500_000_000  # DeepSpeed's reduce_bucket_size (elements), ZeRO >= 1
     reserved_bytes: float = 0.0  # CUDA context, NCCL, ... (not tensors)
     fragmentation: float = 0.0  # share of the transient memory lost to the allocator
@@ -146,8 +148,8 @@ class Training:
             raise PlanError(f"zero-stage={self.zero_stage!r} must be 0, 1, 2 or 3")
         if self.kernels not in ("hf", "fused"):
             raise PlanError(f"kernels={self.kernels!r} must be 'hf' or 'fused'")
-        if self.attention not in ("ring_sp", "alst"):
-            raise PlanError(f"attention={self.attention!r} must be 'ring_sp' or 'alst'")
+        if self.library not in ("ring_sp", "alst"):
+            raise PlanError(f"library={self.library!r} must be 'ring_sp' or 'alst'")
         if self.offload_checkpoints and not self.checkpointing:
             raise PlanError("offload-checkpoints needs activation checkpointing: add --checkpointing")
         for name in ("mlp_tile_tokens", "loss_tile_tokens", "zero_ranks"):
@@ -156,8 +158,6 @@ class Training:
                 raise PlanError(f"{name.replace('_', '-')}={value!r} must be a positive integer")
 
 
-# ring_sp's default tile (tokens), the one enable_long_sequence(tile_tokens=None) uses.
-RING_SP_TILE_TOKENS = 2048
 ALST_LOSS_TILE_BYTES = 2**30  # ALST sizes its loss tiles to 1 GiB of fp32 logits
 
 
@@ -168,7 +168,7 @@ def alst(zero_ranks: int | None = None) -> Training:
     and Liger kernels; ``expandable_segments`` against fragmentation."""
     return Training(dtype="bf16", zero_stage=3, zero_ranks=zero_ranks, offload_optimizer=True, checkpointing=True,
                     offload_checkpoints=True, tiled_mlp=True, tiled_loss=True, kernels="fused",
-                    attention="alst")
+                    library="alst")
 
 
 def alst_attention_memory(model: Transformer, *, n: int, ulysses: int, dtype: str) -> tuple[float, float]:
@@ -238,7 +238,7 @@ def layer_kept(model: Transformer, training: Training, *, n: int, ulysses: int, 
 
 def _attention(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int) -> tuple[float, float]:
     """(kept, backward working) bytes of one layer's attention on this rank."""
-    if training.attention == "alst":
+    if training.library == "alst":
         if ring != 1:
             raise PlanError("ALST has no ring: its sequence-parallel degree is the Ulysses size (ring=1)")
         return alst_attention_memory(model, n=n, ulysses=ulysses, dtype=training.dtype)
@@ -252,9 +252,9 @@ def _mlp_tile(model: Transformer, training: Training, n: int) -> int:
         return n
     if training.mlp_tile_tokens is not None:
         return min(n, training.mlp_tile_tokens)
-    if training.attention == "alst":  # ALST: ceil(n / hidden) tiles
+    if training.library == "alst":  # ALST: ceil(n / hidden) tiles
         return math.ceil(n / math.ceil(n / model.hidden))
-    return min(n, RING_SP_TILE_TOKENS)
+    return min(n, DEFAULT_TILE_TOKENS)
 
 
 def _loss_tile(model: Transformer, training: Training, n: int) -> int:
@@ -262,9 +262,9 @@ def _loss_tile(model: Transformer, training: Training, n: int) -> int:
         return n
     if training.loss_tile_tokens is not None:
         return min(n, training.loss_tile_tokens)
-    if training.attention == "alst":
+    if training.library == "alst":
         return min(n, max(1, ALST_LOSS_TILE_BYTES // (FP32 * model.vocab)))
-    return min(n, RING_SP_TILE_TOKENS)
+    return min(n, DEFAULT_TILE_TOKENS)
 
 
 def _resident(model: Transformer, training: Training, sp: int) -> tuple[float, float, float, float]:
@@ -309,14 +309,23 @@ def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses
         checkpoints, kept, recompute = 0.0, model.layers * one_layer, 0.0
     final = n * (2 * FP32 * h if training.kernels == "hf" else e * h)  # the final norm's kept tensors
 
-    # the loss: at its backward, log-softmax's fp32 output and the two fp32 gradients of
-    # [tokens, vocab] (the logits themselves, and their fp32 copy, are not kept: log-softmax
-    # keeps its output); tiled, for one tile, plus the [n, hidden] gradient the tiles fill;
-    # ZeRO-3's gathered head
+    # the loss. Untiled, at its backward: log-softmax's fp32 output and two fp32 gradients of
+    # [n, vocab] (the logits, and their fp32 copy, are not kept). Tiled, one tile of t tokens:
+    # ring_sp holds the tile's fp32 logits and their gradient (softmax - one hot, in place;
+    # plus the logits in the model dtype when it is not fp32) and sums the head's gradient in
+    # fp32 next to the tile's (and, as ring_sp.tiling's loop is written, the previous tile's); ALST runs cross entropy's own backward per tile (three fp32
+    # [t, vocab]) and adds each tile's head gradient to .grad. Both fill an [n, hidden] input
+    # gradient; ZeRO-3 gathers the head.
     t = _loss_tile(model, training, n)
-    logits = t * v * 3 * FP32
+    head_grad = v * h * FP32
+    if not training.tiled_loss:
+        logits = t * v * 3 * FP32
+    elif training.library == "ring_sp":
+        logits = t * v * (2 * FP32 + (e if e != FP32 else 0)) + 3 * head_grad + n * e * h
+    else:
+        logits = t * v * 3 * FP32 + head_grad + n * e * h
     head = v * h * e if training.zero_stage >= 3 else 0.0
-    loss = final + logits + (n * e * h if training.tiled_loss else 0) + head
+    loss = final + logits + head
     # one layer's backward: the incoming gradient and the residual's, the layer's activations
     # (recomputed when checkpointed) and the larger of the MLP's working set (two [tokens, ffn]
     # gradients; tiled: one tile's activations and gradients, the [n, hidden] input gradient

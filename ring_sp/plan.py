@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from . import step_memory as sm
 from .planner import DTYPES, Candidate, Cluster, ModelShape, Plan, PlanError, Workload, plan
@@ -303,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             best = result.recommended
             step = sm.step_memory(whole, _training_for(args, best.ulysses, best.ring), seq_len=work.seq_len,
                                   ulysses=best.ulysses, ring=best.ring)
+            # the whole step's verdict replaces the attention-only memory warning
+            result = replace(result, warnings=tuple(w for w in result.warnings if "weights and optimizer" not in w))
     except PlanError as exc:
         print(f"ring-sp plan: error: {exc}", file=sys.stderr)
         return 2

@@ -377,6 +377,12 @@ def markdown(records: list[dict[str, Any]], lc: LengthConfig | None = None) -> s
         measured = [(n, _total(cell[mode.name, n])) for n in seq_lens if "peak_bytes" in cell.get((mode.name, n), {})]
         for (n0, b0), (n1, b1) in zip(measured, measured[1:]):
             out.append(f"| {mode.name} | {n0:,} -> {n1:,} | {(b1 - b0) / (n1 - n0):,.1f} |")
+    spreads = []
+    for n in seq_lens:
+        losses = [r["loss"] for r in rows if r["seq_len"] == n and "loss" in r]
+        if len(losses) > 1:
+            spreads.append(f"N={n:,}: {max(losses) - min(losses):.1e} over {len(losses)} modes")
+    out += ["", "Losses, largest difference between modes: " + "; ".join(spreads) + "."]
     worst = max((abs(r["predicted_bytes"] / _total(r) - 1) for r in rows if "peak_bytes" in r), default=0.0)
     out += ["", f"Planner (`ring_sp.step_memory`) against every measured point: largest error {100 * worst:.1f}%."]
     timing = [r for r in records if r["section"] == "length_timing"]

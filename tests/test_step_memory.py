@@ -18,33 +18,25 @@ import json
 
 import pytest
 
+from benchmarks.length import SMALL_LLAMA
 from ring_sp import plan as plan_cli
 from ring_sp import step_memory as sm
 from ring_sp.planner import PlanError
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 
-SMALL = sm.Transformer(hidden=256, ffn=1024, heads=8, kv_heads=4, head_dim=32, layers=2, vocab=32768, name="small")
 H100 = 80 * 2**30
 ALST_PUBLISHED = {8: 3_700_000, 32: 15_000_000}  # arXiv 2506.13996: Llama-8B on 1 and 4 nodes of 8 x H100-80GB
 
 
-def _predicted(mode, seq_len: int, tile_tokens: int, loss_tile_tokens: int) -> sm.StepMemory:
-    ranks = mode.world_size(4)
-    training = sm.Training(dtype="fp32", tiled_mlp=mode.tiled, tiled_loss=mode.tiled,
-                           mlp_tile_tokens=tile_tokens if mode.kind == "ring_sp" else None,
-                           loss_tile_tokens=tile_tokens if mode.kind == "ring_sp" else loss_tile_tokens,
-                           library="alst" if mode.kind == "alst" else "ring_sp")
-    return sm.step_memory(SMALL, training, seq_len=seq_len, ulysses=mode.ulysses if ranks > 1 else 1,
-                          ring=ranks // mode.ulysses if ranks > 1 else 1)
+def _calibrate(pools, mode, seq_len: int) -> None:
+    """``benchmarks.length.predict`` (the benchmark's tiles: 1024 tokens) against one measured step."""
+    from benchmarks.length import LengthConfig, length_case, predict
 
-
-def _calibrate(pools, mode, seq_len: int, tile_tokens: int = 1024, loss_tile_tokens: int = 1024) -> None:
-    from benchmarks.length import length_case
-
-    ranks = mode.world_size(4)
-    results = pools.get(ranks).run(length_case, mode, seq_len, tile_tokens, loss_tile_tokens, timeout=600)
-    step = _predicted(mode, seq_len, tile_tokens, loss_tile_tokens)
+    cfg = LengthConfig()
+    ranks = mode.world_size(cfg.sp)
+    results = pools.get(ranks).run(length_case, mode, seq_len, cfg.tile_tokens, cfg.loss_tile_tokens, timeout=600)
+    step = predict(mode, seq_len, cfg)
     resident = step.params + step.grads + step.optimizer
     for r in results:
         assert r["resident_bytes"] == pytest.approx(resident, rel=1e-3)  # parameters, gradients, AdamW moments
@@ -65,11 +57,13 @@ def test_predicted_step_peak_matches_measured_u2xr2(pools, tiled: bool) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("seq_len", [2048, 4096, 8192])
 @pytest.mark.parametrize("mode_name", ["ring_sp untiled U2xR2", "ring_sp tiled U2xR2", "ring_sp tiled U1xR4",
-                                       "one rank untiled"])
+                                       "ALST Ulysses SP4 + TiledMLP + tiled loss", "one rank untiled"])
 def test_predicted_step_peak_matches_measured_sweep(pools, mode_name: str, seq_len: int) -> None:
     from benchmarks.length import LENGTH_MODES
 
     mode = next(m for m in LENGTH_MODES if m.name == mode_name)
+    if mode.kind == "alst":
+        pytest.importorskip("deepspeed")
     _calibrate(pools, mode, seq_len if mode.world_size(4) > 1 else seq_len // 2)
 
 
@@ -136,7 +130,7 @@ def test_hf_config_and_presets(tmp_path) -> None:
 ])
 def test_bad_training_options_name_the_option(training, pattern: str) -> None:
     with pytest.raises(PlanError, match=pattern):
-        sm.step_memory(SMALL, training, seq_len=1024)
+        sm.step_memory(SMALL_LLAMA, training, seq_len=1024)
 
 
 def test_cli_errors_and_whole_step(capsys) -> None:

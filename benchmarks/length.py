@@ -249,7 +249,7 @@ class LengthConfig:
     loss_tile_tokens: int = 1024  # ALST's loss tiles: the same size (its MLP keeps its own ceil(n / hidden) rule)
     budget_bytes: float = 6 * 2**30  # points predicted above this per process are skipped
     machine_bytes: float = 8 * 2**30  # ... or whose processes together would exceed this
-    timing_seq_len: int = 8192  # step time of ring_sp tiled vs untiled (U2xR2), alternated
+    timing_seq_len: int = 4096  # step time of ring_sp tiled vs untiled (U2xR2), alternated
     timing_rounds: int = 3
     demo_budget_bytes: float = 2**30  # the longest-sequence demo: this much per rank
 

@@ -313,7 +313,8 @@ def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses
     # [n, vocab] (the logits, and their fp32 copy, are not kept). Tiled, one tile of t tokens:
     # ring_sp holds the tile's fp32 logits and their gradient (softmax - one hot, in place;
     # plus the logits in the model dtype when it is not fp32) and sums the head's gradient in
-    # fp32 next to the tile's (and, as ring_sp.tiling's loop is written, the previous tile's); ALST runs cross entropy's own backward per tile (three fp32
+    # fp32 next to the tile's (and, as ring_sp.tiling's loop is written, the previous tile's when
+    # there are several); ALST runs cross entropy's own backward per tile (three fp32
     # [t, vocab]) and adds each tile's head gradient to .grad. Both fill an [n, hidden] input
     # gradient; ZeRO-3 gathers the head.
     t = _loss_tile(model, training, n)
@@ -321,7 +322,7 @@ def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses
     if not training.tiled_loss:
         logits = t * v * 3 * FP32
     elif training.library == "ring_sp":
-        logits = t * v * (2 * FP32 + (e if e != FP32 else 0)) + 3 * head_grad + n * e * h
+        logits = t * v * (2 * FP32 + (e if e != FP32 else 0)) + (2 if t >= n else 3) * head_grad + n * e * h
     else:
         logits = t * v * 3 * FP32 + head_grad + n * e * h
     head = v * h * e if training.zero_stage >= 3 else 0.0

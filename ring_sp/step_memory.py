@@ -323,8 +323,8 @@ def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses
         logits = t * v * 3 * FP32
     elif training.library == "ring_sp":
         logits = t * v * (2 * FP32 + (e if e != FP32 else 0)) + (2 if t >= n else 3) * head_grad + n * e * h
-    else:
-        logits = t * v * 3 * FP32 + head_grad + n * e * h
+    else:  # (each tile's head gradient comes after its [t, vocab] buffers are freed)
+        logits = t * v * 3 * FP32 + n * e * h
     head = v * h * e if training.zero_stage >= 3 else 0.0
     loss = final + logits + head
     # one layer's backward: the incoming gradient and the residual's, the layer's activations

@@ -35,7 +35,17 @@ def _calibrate(pools, mode, seq_len: int) -> None:
 
     cfg = LengthConfig()
     ranks = mode.world_size(cfg.sp)
-    results = pools.get(ranks).run(length_case, mode, seq_len, cfg.tile_tokens, cfg.loss_tile_tokens, timeout=600)
+    args = (length_case, mode, seq_len, cfg.tile_tokens, cfg.loss_tile_tokens)
+    if mode.kind == "alst":  # DeepSpeed registers its SP group once per process and replaces "sdpa" for good:
+        from harness import RankPool  # ranks of its own, not the shared pool's
+
+        pool = RankPool(ranks, env={"DS_ACCELERATOR": "cpu"})
+        try:
+            results = pool.run(*args, timeout=600)
+        finally:
+            pool.close()
+    else:
+        results = pools.get(ranks).run(*args, timeout=600)
     step = predict(mode, seq_len, cfg)
     resident = step.params + step.grads + step.optimizer
     for r in results:

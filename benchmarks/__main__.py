@@ -22,6 +22,8 @@ import torch
 
 from . import plots
 from .launch import launcher
+from .length import markdown as length_markdown
+from .length import plot as length_plot
 from .report import markdown, write_jsonl
 from .suite import FULL, QUICK, SECTIONS
 
@@ -72,6 +74,16 @@ def main(argv: list[str] | None = None) -> None:
     if not run.is_leader:
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    # the length section has its own files (it takes an hour; the other sections' results stay)
+    whole_step = [r for r in records if r["section"].startswith("length")]
+    records = [r for r in records if not r["section"].startswith("length")]
+    if whole_step:
+        write_jsonl(whole_step, args.out / "length.jsonl")
+        (args.out / "length.md").write_text(length_markdown(whole_step))
+        length_plot(whole_step, args.out / "length.png")
+        log(f"wrote {args.out}: length.jsonl, length.md, length.png")
+    if not records:
+        return
     write_jsonl(records, args.out / "results.jsonl")
     figures = [plots.throughput(records, args.out / "throughput.png"),
                plots.memory_vs_world_size(records, args.out / "memory_vs_world_size.png"),

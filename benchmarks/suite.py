@@ -4,8 +4,9 @@ Sections: ``timing`` (every mode and DeepSpeed against one rank, sequence-length
 ``profile`` (bytes vs the design formulas, causal work per rank), ``memory`` (peak per
 rank while N grows at fixed P and while P grows at fixed N), ``activations`` (memory an
 attention layer keeps between forward and backward, plain and checkpointed, vs the planner), ``overlap`` (an injected
-link delay), ``heads`` (fewer heads than ranks: who runs, and exactly?) and ``kv_exchange`` (all-gathered KV
-against the ring, :mod:`.kv_exchange`).
+link delay), ``heads`` (fewer heads than ranks: who runs, and exactly?), ``kv_exchange`` (all-gathered KV
+against the ring, :mod:`.kv_exchange`) and ``length`` (the whole training step of a small HF Llama as N grows,
+tiled and untiled, against DeepSpeed ALST; :mod:`.length`, written to length.*).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .cases import activation_case, exactness_case, overlap_case, profile_case, 
 from .comm_bytes import formula_bytes
 from .kv_exchange import kv_exchange
 from .launch import Launcher
+from .length import length
 from .modes import DEEPSPEED, SINGLE, Mode, Problem, comparison_modes
 from .timing import rank_balance, slowest_rank, step_time
 
@@ -307,5 +309,5 @@ def ulysses(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Reco
 
 SECTIONS: dict[str, Callable[[Launcher, Config, Callable[[str], None]], list[Record]]] = {
     "timing": timing, "profile": profile, "memory": memory, "activations": activations, "overlap": overlap,
-    "heads": heads, "schedule": schedule, "ulysses": ulysses, "kv_exchange": kv_exchange,
+    "heads": heads, "schedule": schedule, "ulysses": ulysses, "kv_exchange": kv_exchange, "length": length,
 }

@@ -7,6 +7,15 @@ prints the recommended split and, for every candidate, the modelled bytes per la
 activation memory per GPU, whether the ring hides its transfers (DESIGN.md section 8) and
 the attention time per layer; ``--json`` prints the same as JSON. An impossible request
 exits with status 2 and the reason. The model is :mod:`ring_sp.planner`.
+
+The whole training step (:mod:`ring_sp.step_memory`): ``--model`` (a preset or an HF
+``config.json``) adds the vocabulary and MLP, and with the training options (ZeRO stage,
+checkpointing and offload, tiling, ``--alst``) the peak memory per GPU of one step with its
+breakdown; ``--max-seq-len`` prints the longest sequence that fits per grid:
+
+    ring-sp plan --model llama-3-8b --world-size 64 --max-seq-len --zero-stage 3 \
+        --offload-optimizer --checkpointing --offload-checkpoints --tiled
+    ring-sp plan --model llama-3-8b --world-size 8 --max-seq-len --alst
 """
 
 from __future__ import annotations
@@ -15,8 +24,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from . import step_memory as sm
 from .planner import DTYPES, Candidate, Cluster, ModelShape, Plan, PlanError, Workload, plan
 from .topology import PLACEMENTS
 from .validation import KV_EXCHANGES
@@ -86,13 +96,16 @@ def _parser() -> argparse.ArgumentParser:
                      help=f"fixed cost of each synchronising exchange, a ring step or a collective, in microseconds "
                           f"(default {DEFAULT_LATENCY_US:g}; 0 = bandwidth only)")
     model = p.add_argument_group("model and sequence")
-    model.add_argument("--heads", type=int, required=True, help="query heads")
+    model.add_argument("--model", metavar="PRESET|config.json",
+                       help=f"the whole model: a preset ({', '.join(sm.PRESETS)}) or an HF config.json; fills "
+                            "--heads/--kv-heads/--hidden/--head-dim/--layers and enables the whole-step memory")
+    model.add_argument("--heads", type=int, help="query heads")
     model.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
-    model.add_argument("--hidden", type=int, required=True, help="hidden size")
+    model.add_argument("--hidden", type=int, help="hidden size")
     model.add_argument("--head-dim", type=int, help="default: hidden / heads")
     model.add_argument("--value-head-dim", type=int, help="value head size d_v (default: --head-dim; MLA differs)")
-    model.add_argument("--layers", type=int, required=True)
-    model.add_argument("--seq-len", type=int, required=True, help="tokens per sample (the global sequence)")
+    model.add_argument("--layers", type=int)
+    model.add_argument("--seq-len", type=int, help="tokens per sample (the global sequence); not with --max-seq-len")
     model.add_argument("--batch", type=int, default=1, help="samples per SP group per step")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     model.add_argument("--non-causal", action="store_true")
@@ -104,8 +117,46 @@ def _parser() -> argparse.ArgumentParser:
     pin.add_argument("--layout", choices=("auto", "zigzag", "striped", "contiguous"), default="auto")
     pin.add_argument("--kv-exchange", choices=KV_EXCHANGES, default="auto",
                      help="the ring group's KV exchange: ring, all_gather, or auto (model both; default)")
+    step = p.add_argument_group("the whole training step (with --model)")
+    step.add_argument("--max-seq-len", action="store_true",
+                      help="print the longest sequence whose step fits in --gpu-memory-gib, per U x R, with the breakdown")
+    step.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    step.add_argument("--offload-optimizer", action="store_true", help="Adam states and fp32 gradients on the host")
+    step.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
+    step.add_argument("--offload-checkpoints", action="store_true", help="checkpointed activations in host memory")
+    step.add_argument("--tiled", action="store_true", help="tiled MLP and tiled logits+loss (enable_long_sequence)")
+    step.add_argument("--tile-tokens", type=int, help="tokens per tile (default: ring_sp.tiling.DEFAULT_TILE_TOKENS)")
+    step.add_argument("--alst", action="store_true",
+                      help="configure as DeepSpeed ALST: Ulysses only, bf16, ZeRO-3 with the optimizer offloaded, "
+                           "checkpoints offloaded, TiledMLP and tiled loss, fused kernels")
+    step.add_argument("--reserved-gib", type=float, default=1.0,
+                      help="per-GPU memory that is not tensors: CUDA context, NCCL buffers (default 1.0)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
+
+
+def _model(args: argparse.Namespace) -> sm.Transformer | None:
+    """The --model's shape, which fills the attention flags left out (an explicit flag wins)."""
+    if args.model is None:
+        missing = [f"--{k.replace('_', '-')}" for k in ("heads", "hidden", "layers") if getattr(args, k) is None]
+        if missing:
+            raise PlanError(f"{', '.join(missing)} required (or --model PRESET|config.json)")
+        return None
+    model = sm.model_from(args.model)
+    for key, value in (("heads", model.heads), ("kv_heads", model.kv_heads), ("hidden", model.hidden),
+                       ("head_dim", model.head_dim), ("layers", model.layers)):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return model
+
+
+def _training(args: argparse.Namespace) -> sm.Training:
+    if args.alst:
+        return sm.alst()
+    return sm.Training(dtype=args.dtype, zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
+                       checkpointing=args.checkpointing, offload_checkpoints=args.offload_checkpoints,
+                       tiled_mlp=args.tiled, tiled_loss=args.tiled, mlp_tile_tokens=args.tile_tokens,
+                       loss_tile_tokens=args.tile_tokens, reserved_bytes=args.reserved_gib * 2**30)
 
 
 def _request(args: argparse.Namespace) -> tuple[Cluster, ModelShape, Workload]:
@@ -173,7 +224,68 @@ def render(result: Plan, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def _as_json(result: Plan) -> str:
+def _training_for(args: argparse.Namespace, ulysses: int, ring: int) -> sm.Training:
+    training = _training(args)
+    if args.alst and ring != 1:
+        raise PlanError(f"--alst is Ulysses only (ring 1); U={ulysses} x R={ring} has a ring: pin --ulysses to the SP "
+                        f"degree, or drop --alst")
+    return training
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f}"
+
+
+def _render_step(step: sm.StepMemory, memory: float) -> str:
+    """The whole step's peak per GPU and its breakdown."""
+    parts = ", ".join(f"{name} {_gib(value)}" for name, value in step.breakdown().items() if value)
+    verdict = "fits" if step.total <= memory else "does NOT fit"
+    return (f"whole step at {step.seq_len} tokens ({step.tokens_per_rank} per GPU): peak {_gib(step.total)} GiB per GPU, "
+            f"{verdict} in {memory / 2**30:.0f} GiB\n  {parts} (GiB)")
+
+
+def render_max_seq_len(args: argparse.Namespace, model: sm.Transformer) -> str:
+    """The longest sequence per U x R (every Ulysses size the heads allow; --ulysses pins one) on
+    --world-size GPUs of --gpu-memory-gib, the peak's breakdown, and, with --alst, what ALST
+    (Ulysses only) reaches next to ring_sp's grid with the same tiling and offload."""
+    from .attention import check_ulysses_heads
+
+    gpu = GPUS[args.gpu]
+    memory = (args.gpu_memory_gib if args.gpu_memory_gib is not None else gpu.memory_gib) * 2**30
+    sp = args.sp_size or args.world_size
+    training = _training(args)
+    if args.alst:  # the reserved memory is the GPU's, whoever trains
+        training = sm.Training(**{**training.__dict__, "reserved_bytes": args.reserved_gib * 2**30})
+    lines = [f"ring-sp plan --max-seq-len: {model.name} ({model.params / 1e9:.2f}B parameters), SP degree {sp} of "
+             f"{args.world_size} GPUs x {memory / 2**30:.0f} GiB, {training.dtype}, ZeRO-{training.zero_stage}"
+             f"{' (optimizer offloaded)' if training.offload_optimizer else ''}, "
+             f"{'checkpointing' + (' offloaded' if training.offload_checkpoints else '') if training.checkpointing else 'no checkpointing'}, "
+             f"{'tiled MLP and loss' if training.tiled_mlp else 'untiled'}, {training.library}", "",
+             "| library U x R | longest sequence | tokens per GPU | peak GiB | breakdown (GiB) |", "|---|---|---|---|---|"]
+    grids = [(u, sp // u) for u in ([args.ulysses] if args.ulysses else [u for u in range(1, sp + 1) if sp % u == 0])]
+    rows = [("ALST", training, [(sp, 1)])] if args.alst else [(training.library, training, grids)]
+    if args.alst:  # ring_sp with ALST's recipe (its own kernels and tiles): what the grid adds
+        rows.append(("ring_sp", sm.Training(dtype="bf16", zero_stage=3, offload_optimizer=True, checkpointing=True,
+                                             offload_checkpoints=True, tiled_mlp=True, tiled_loss=True,
+                                             reserved_bytes=training.reserved_bytes), grids))
+    for name, recipe, shapes in rows:
+        for u, r in shapes:
+            label = f"{name} {u} x {r}"
+            try:
+                check_ulysses_heads(model.heads, model.kv_heads, u) if u > 1 else None
+            except ValueError as exc:
+                lines.append(f"| {label} | cannot run: {exc} | | | |")
+                continue
+            tokens, step = sm.max_seq_len(model, recipe, memory, ulysses=u, ring=r)
+            if step is None:
+                lines.append(f"| {label} | nothing fits | | | |")
+                continue
+            parts = ", ".join(f"{part} {_gib(value)}" for part, value in step.breakdown().items() if value)
+            lines.append(f"| {label} | {tokens:,} | {step.tokens_per_rank:,} | {_gib(step.total)} | {parts} |")
+    return "\n".join(lines)
+
+
+def _as_json(result: Plan, step: sm.StepMemory | None = None) -> str:
     def candidate(c: Candidate) -> dict:
         return {**asdict(c), "layer_s": c.layer_s, "total_bytes": c.total_bytes,
                 "memory_bytes": c.memory_bytes}
@@ -183,6 +295,7 @@ def _as_json(result: Plan) -> str:
         "workload": asdict(result.workload), "sp_size": result.sp_size,
         "recommended": candidate(result.recommended), "candidates": [candidate(c) for c in result.candidates],
         "warnings": list(result.warnings),
+        **({} if step is None else {"step_memory": {**asdict(step), "total": step.total}}),
     }, indent=1, default=str)
 
 
@@ -193,13 +306,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv = argv[1:]
     args = _parser().parse_args(argv)
     try:
+        whole = _model(args)
+        if args.max_seq_len:
+            if whole is None:
+                raise PlanError("--max-seq-len needs --model (the vocabulary and MLP size the step's memory depends on)")
+            if args.seq_len is not None:
+                raise PlanError("--max-seq-len searches the length: drop --seq-len")
+            text = render_max_seq_len(args, whole)
+            print(text)
+            return 0
+        if args.seq_len is None:
+            raise PlanError("--seq-len is required (or --max-seq-len with --model)")
         cluster, model, work = _request(args)
         result = plan(cluster, model, work, ulysses=args.ulysses, placement=args.placement, layout=args.layout,
                       kv_exchange=args.kv_exchange)
+        step = None
+        if whole is not None:
+            best = result.recommended
+            step = sm.step_memory(whole, _training_for(args, best.ulysses, best.ring), seq_len=work.seq_len,
+                                  ulysses=best.ulysses, ring=best.ring)
+            # the whole step's verdict replaces the attention-only memory warning
+            result = replace(result, warnings=tuple(w for w in result.warnings if "weights and optimizer" not in w))
     except PlanError as exc:
         print(f"ring-sp plan: error: {exc}", file=sys.stderr)
         return 2
-    print(_as_json(result) if args.json else render(result, args))
+    if args.json:
+        print(_as_json(result, step))
+    else:
+        print(render(result, args) + ("" if step is None else "\n\n" + _render_step(step, result.cluster.memory_bytes)))
     return 0
 
 

@@ -99,7 +99,10 @@ class RankPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch"])  # ranks fork from a server that imported torch once
+        # ranks fork from a server that imported torch once, and sympy (via symbolic_shapes): a
+        # rank's first backward would otherwise import it lazily, seconds per rank per launch,
+        # and a fresh pool under the suite's load was seen outliving a case's timeout there
+        ctx.set_forkserver_preload(["torch", "torch.fx.experimental.symbolic_shapes"])
         fd, self._init_file = tempfile.mkstemp(prefix="ring_sp_pg_")
         os.close(fd)
         os.unlink(self._init_file)  # the FileStore creates it; a stale file would confuse it

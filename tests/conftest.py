@@ -39,7 +39,9 @@ def nothing_built():
 @pytest.fixture(scope="session")
 def pools():
     """``pools.get(world_size)`` -> a persistent :class:`harness.RankPool`."""
-    manager = PoolManager(max_alive=2)
+    # one pool at a time: an idle pool's ranks were seen using ~half a core each after some
+    # 4-rank cases, starving a second pool's ranks past their case timeouts on 2 cores
+    manager = PoolManager(max_alive=1)
     yield manager
     manager.close()
     assert not manager.leftovers, f"a pool's ranks built C++ extensions (TORCH_EXTENSIONS_DIR): {manager.leftovers}"

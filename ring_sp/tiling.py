@@ -1,10 +1,12 @@
-"""Sequence tiling: per-token work over tiles of tokens, each tile recomputed in the backward.
+"""Sequence tiling: per-token work over tiles of tokens, so one tile's intermediates exist at a time.
 
 At long context the per-token parts of a training step, not attention, hold the most memory:
 the ``[tokens, vocab]`` logits of the loss and the ``[tokens, ffn]`` intermediates of the MLP.
 Both are per-token, so they can run over tiles of ``tile_tokens`` tokens: the forward keeps
 no tile's intermediates (only the input, which the caller holds anyway), and the backward
-recomputes one tile at a time. At most one tile of intermediates exists at once.
+recomputes one tile at a time (the MLP), or each tile's gradients are taken in the forward
+right after its loss (the loss, which is the forward's last op). At most one tile of
+intermediates exists at once.
 
 * :func:`tiled_map`: ``fn(x_tile, *params)`` over token tiles (an MLP);
 * :func:`tiled_linear_cross_entropy`: ``hidden @ weight.T`` (+ bias, optional logit
@@ -128,55 +130,64 @@ def _tile_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 class _TiledLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross entropy of ``hidden @ weight.T (+ bias)`` over token tiles; logits recomputed per tile."""
+    """Summed cross entropy of ``hidden @ weight.T (+ bias)`` over token tiles, gradients taken in the forward.
+
+    The loss is the last op of the forward, so (as DeepSpeed ALST's and Liger's fused losses
+    do) each tile's gradients are computed right after its loss, while its logits exist:
+    the logits are computed once, not again in the backward (3 matmuls per tile, as untiled,
+    instead of 4). The backward only scales the kept gradients by the incoming one (the
+    loss is linear in it). Under ``no_grad`` (evaluation) no gradient is taken.
+    """
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                tile_tokens: int, ignore_index: int, softcap: float | None) -> torch.Tensor:
-        ctx.tile_tokens, ctx.ignore_index, ctx.softcap = tile_tokens, ignore_index, softcap
-        ctx.save_for_backward(hidden, weight, bias, labels)
+                tile_tokens: int, ignore_index: int, softcap: float | None, with_grads: bool) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], tile_tokens):
-            stop = start + tile_tokens
-            logits = _tile_logits(hidden[start:stop], weight, bias, softcap)
-            total += F.cross_entropy(logits, labels[start:stop], ignore_index=ignore_index, reduction="sum")
-            del logits
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        hidden, weight, bias, labels = ctx.saved_tensors
-        need_h = ctx.needs_input_grad[0]
-        leaves = _leaves((weight, bias))
-        trained = [p for p in leaves if p is not None and p.requires_grad]
+        need_h = with_grads and ctx.needs_input_grad[0]
+        leaves = _leaves((weight, bias)) if with_grads else [weight, bias]
+        trains = [with_grads and p is not None and p.requires_grad for p in leaves]
+        trained = [p for p, t in zip(leaves, trains) if t]
         sums = [_accumulator(p) for p in trained]
         grad_h = torch.empty_like(hidden) if need_h else None
-        for start in range(0, hidden.shape[0], ctx.tile_tokens):
-            stop = start + ctx.tile_tokens
-            tile = hidden[start:stop].detach().requires_grad_(need_h)
+        for start in range(0, hidden.shape[0], tile_tokens):
+            stop = start + tile_tokens
             tile_labels = labels[start:stop]
+            if not (need_h or trained):
+                logits = _tile_logits(hidden[start:stop], weight, bias, softcap)
+                total += F.cross_entropy(logits, tile_labels, ignore_index=ignore_index, reduction="sum")
+                del logits
+                continue
+            tile = hidden[start:stop].detach().requires_grad_(need_h)
             with torch.enable_grad():
-                logits = _tile_logits(tile, leaves[0], leaves[1], ctx.softcap)
-            # d(sum of token losses)/d logits = softmax - one_hot, on valid tokens only
+                logits = _tile_logits(tile, leaves[0], leaves[1], softcap)
             with torch.no_grad():
+                total += F.cross_entropy(logits, tile_labels, ignore_index=ignore_index, reduction="sum")
+                # d(sum of token losses)/d logits = softmax - one_hot, on valid tokens only
                 d_logits = torch.softmax(logits.detach(), dim=-1)
-                valid = tile_labels != ctx.ignore_index
+                valid = tile_labels != ignore_index
                 rows = torch.arange(tile_labels.shape[0], device=tile_labels.device)
                 d_logits[rows, tile_labels.clamp(min=0)] -= 1.0
-                d_logits *= (valid.to(d_logits.dtype) * grad).unsqueeze(-1)
-            inputs = ([tile] if need_h else []) + trained
-            if not inputs:
-                break
-            grads = torch.autograd.grad(logits, inputs, d_logits)
+                d_logits *= valid.to(d_logits.dtype).unsqueeze(-1)
+            grads = torch.autograd.grad(logits, ([tile] if need_h else []) + trained, d_logits)
             del logits, d_logits
             if need_h:
                 grad_h[start:start + tile.shape[0]] = grads[0]
                 grads = grads[1:]
-            for total, g in zip(sums, grads):
-                total += g
+            for acc, g in zip(sums, grads):
+                acc += g
         summed = iter(sums)
-        out = [next(summed).to(p.dtype) if p is not None and p.requires_grad else None for p in leaves]
-        return grad_h, out[0], out[1], None, None, None, None
+        ctx.grad_dtypes = [None if p is None else p.dtype for p in (weight, bias)]
+        ctx.kept = [grad_h] + [next(summed) if t else None for t in trains]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_h, grad_w, grad_b = ctx.kept
+        ctx.kept = None  # the kept gradients are handed over once
+        if grad_h is not None:
+            grad_h = (grad_h * grad).to(grad_h.dtype)
+        out = [None if g is None else (g * grad).to(dtype) for g, dtype in zip((grad_w, grad_b), ctx.grad_dtypes)]
+        return grad_h, out[0], out[1], None, None, None, None, None
 
 
 def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -190,7 +201,8 @@ def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     in the model's dtype and the loss in fp32, as transformers' causal-LM loss does. Returns
     a 0-d fp32 tensor (divide by the valid-token count, or hand it to
     :func:`ring_sp.sequence_parallel_loss`). Never more than one ``[tile_tokens, V]`` logits
-    tile exists: the backward recomputes each tile's logits.
+    tile exists: with grad enabled, each tile's gradients are taken in the forward right after
+    its loss and scaled by the incoming gradient in the backward (no logits recomputed).
     """
     tile_tokens = check_tile_tokens(tile_tokens)
     if hidden.shape[:-1] != labels.shape:
@@ -199,7 +211,7 @@ def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} must be [vocab, {hidden.shape[-1]}] for hidden {tuple(hidden.shape)}")
     return _TiledLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
-                                          tile_tokens, ignore_index, softcap)
+                                          tile_tokens, ignore_index, softcap, torch.is_grad_enabled())
 
 
 __all__ = ["DEFAULT_TILE_TOKENS", "check_tile_tokens", "tiled_linear_cross_entropy", "tiled_map"]

@@ -59,6 +59,33 @@ def test_tiled_linear_cross_entropy_equals_untiled(tile: int) -> None:
     assert abs(capped.item() - F.cross_entropy(F.linear(hidden, weight, bias), labels, reduction="sum").item()) > 1.0
 
 
+def test_tiled_loss_gradients_scale_with_the_incoming_gradient_and_eval_takes_none(monkeypatch) -> None:
+    """The tiled loss takes its gradients in the forward: the backward must still scale them by the
+    incoming gradient (a loss divided by the token count), and evaluation must not pay for them."""
+    torch.manual_seed(1)
+    hidden = torch.randn(29, 8, requires_grad=True)
+    weight = torch.randn(40, 8, requires_grad=True)
+    labels = torch.randint(0, 40, (29,))
+    labels[3] = -100
+    scale = 0.37
+    (tiled_linear_cross_entropy(hidden, weight, labels, tile_tokens=6) * scale).backward()
+    got = (hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    (F.cross_entropy(F.linear(hidden, weight), labels, reduction="sum") * scale).backward()
+    for g, w in zip(got, (hidden.grad, weight.grad)):
+        assert (g - w).abs().max() <= 1e-5 * w.abs().max()
+        assert (g / scale - w).abs().max() > 0.5 * w.abs().max()  # negative control: the scale is seen
+
+    calls = []
+    real_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: calls.append(1) or real_grad(*a, **k))
+    with torch.no_grad():
+        loss = tiled_linear_cross_entropy(hidden, weight, labels, tile_tokens=6)
+    assert calls == [] and loss.grad_fn is None
+    tiled_linear_cross_entropy(hidden, weight, labels, tile_tokens=6)
+    assert len(calls) == 5  # one per tile with grad enabled: the negative control of the count
+
+
 def test_tiled_map_equals_untiled_and_sums_parameter_gradients_once() -> None:
     torch.manual_seed(0)
     gate, up, down = torch.randn(24, 8), torch.randn(24, 8), torch.randn(8, 24)

@@ -52,7 +52,7 @@ def oracle_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causa
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     visible = mask if mask is not None else visibility_mask(q.shape[1], causal)
     if visible is not None:
-        s = s.masked_fill(~visible, -math.inf)
+        s = s.masked_fill(~visible.to(s.device), -math.inf)  # a mask built on the CPU serves CUDA inputs too
     if sinks is not None:  # the sink column: in the denominator, then dropped
         s = torch.cat((s, sinks.double().view(1, -1, 1, 1).expand(*s.shape[:3], 1)), dim=-1)
     lse = torch.logsumexp(s, dim=-1)

@@ -18,6 +18,9 @@ import pytest
 from harness import PoolManager
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed picks its accelerator once, at import; the pools' ranks import it in their
+# forkserver (harness.FORKSERVER_PRELOAD), and every DeepSpeed test here runs on gloo CPU ranks
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # set at import, before any pool's forkserver or subprocess inherits the environment
 SESSION_EXTENSIONS_DIR = tempfile.mkdtemp(prefix="ring_sp_test_ext_")
 os.environ["TORCH_EXTENSIONS_DIR"] = SESSION_EXTENSIONS_DIR

@@ -16,6 +16,7 @@ launch that ends cleanly should have built nothing).
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import multiprocessing as mp
 import os
 import shutil
@@ -50,6 +51,19 @@ class DistributedCaseError(AssertionError):
         super().__init__(f"{summary}\n{details}")
         self.errors = errors
         self.results = results  # what the ranks that did answer returned (None for the others)
+
+
+# Ranks fork from a server that imported these once (copy-on-write), instead of each rank of
+# each launch importing them again: seconds per rank, and pools restart whenever the world
+# size changes. sympy (via symbolic_shapes): a rank's first backward imports it lazily, and a
+# fresh pool under the suite's load was seen outliving a case's timeout there. The frameworks
+# are preloaded where installed (none of them starts a thread at import); DeepSpeed reads
+# DS_ACCELERATOR at import, which conftest.py sets to "cpu" for the session.
+FORKSERVER_PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes"] + [
+    module for module in ("deepspeed", "megatron.core", "transformers.models.llama.modeling_llama",
+                          "transformers.trainer")
+    if importlib.util.find_spec(module.split(".")[0]) is not None
+]
 
 
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, sys_path: list[str], pg_timeout_s: float, env: dict[str, str]) -> None:
@@ -99,10 +113,7 @@ class RankPool:
 
     def _start(self) -> None:
         ctx = mp.get_context("forkserver")
-        # ranks fork from a server that imported torch once, and sympy (via symbolic_shapes): a
-        # rank's first backward would otherwise import it lazily, seconds per rank per launch,
-        # and a fresh pool under the suite's load was seen outliving a case's timeout there
-        ctx.set_forkserver_preload(["torch", "torch.fx.experimental.symbolic_shapes"])
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         fd, self._init_file = tempfile.mkstemp(prefix="ring_sp_pg_")
         os.close(fd)
         os.unlink(self._init_file)  # the FileStore creates it; a stale file would confuse it

@@ -442,14 +442,31 @@ def _run_example(*args: str) -> list[dict[str, Any]]:
     return run_launcher(EXAMPLE / "pretrain_gpt.sh", *args, timeout=240)
 
 
+_EXAMPLE_TINY = ["--seq-len", "64", "--d-model", "32", "--layers", "2", "--micro-batch", "4", "--lr", "1e-2",
+                 "--warmup", "2", "--corpus-bytes", "200000", "--log-json"]
+
+
+def _example_trains(save: Path) -> list[dict[str, Any]]:
+    first = _run_example(*_EXAMPLE_TINY, "--steps", "6", "--save", str(save))
+    assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
+    assert all(r["tokens_per_s"] > 0 for r in first) and first[-1]["loss"] < first[0]["loss"] - 0.3, first
+    return first
+
+
+@needs_deepspeed
+def test_example_trains_and_saves(tmp_path: Path) -> None:
+    """pretrain_gpt.sh --cpu (what ``make demo`` runs): 4 ranks at U2 x R2, the loss falls, a checkpoint is saved.
+    The default suite's one launch of an example script; the others (and the resume) are ``-m slow``."""
+    _example_trains(tmp_path)
+    assert any(tmp_path.iterdir())
+
+
+@pytest.mark.slow  # a second 4-rank launch; resuming across grids is also tested in-pool (test_checkpoint_resumes_under_other_grids)
 @needs_deepspeed
 def test_example_trains_saves_and_resumes(tmp_path: Path) -> None:
     """pretrain_gpt.sh --cpu: 4 ranks at U2 x R2, loss falls; resumed at U1 x R4 it continues the steps."""
-    tiny = ["--seq-len", "64", "--d-model", "32", "--layers", "2", "--micro-batch", "4", "--lr", "1e-2",
-            "--warmup", "2", "--corpus-bytes", "200000", "--log-json"]
-    first = _run_example(*tiny, "--steps", "6", "--save", str(tmp_path))
-    assert [r["step"] for r in first] == [1, 2, 3, 4, 5, 6]
-    assert all(r["tokens_per_s"] > 0 for r in first) and first[-1]["loss"] < first[0]["loss"] - 0.3, first
+    tiny = _EXAMPLE_TINY
+    first = _example_trains(tmp_path)
     resumed = _run_example(*tiny, "--steps", "8", "--load", str(tmp_path), "--ulysses-size", "1", "--ring-size", "4")
     assert [r["step"] for r in resumed] == [7, 8]
     assert max(r["loss"] for r in resumed) < first[0]["loss"] - 0.3, (first, resumed)

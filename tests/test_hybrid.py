@@ -69,6 +69,6 @@ def test_results_do_not_depend_on_how_p_is_factored(pools) -> None:
                 torch.testing.assert_close(got[name], reference[name], atol=atol, rtol=0, msg=f"{dtype} {shape} {name}")
 
 
-@pytest.mark.parametrize("mode,u,r", [("ulysses", 1, 1), ("hybrid", 2, 2)])
+@pytest.mark.parametrize("mode,u,r", [pytest.param("ulysses", 1, 1, marks=pytest.mark.slow), ("hybrid", 2, 2)])
 def test_cross_rank_float64_gradcheck(pools, mode: str, u: int, r: int) -> None:
     assert all(pools.get(4).run(gradcheck_case, mode, "zigzag", True, u, r, timeout=300))

@@ -601,7 +601,8 @@ def _example(nproc: int, *extra: str) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines()]  # nothing but JSON on stdout
 
 
-@pytest.mark.parametrize("packed", [pytest.param(True, id="packed"), pytest.param(False, id="unpacked", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two 4-rank launches of the script (the default suite launches one example: test_deepspeed.py)
+@pytest.mark.parametrize("packed", [pytest.param(True, id="packed"), pytest.param(False, id="unpacked")])
 def test_example_trains_and_resumes_at_another_cp_size(tmp_path: Path, packed: bool) -> None:
     """4 CPU ranks at CP = 4 (U2 x R2) for 6 steps, saving at 3; then 1 rank at CP = 1
     resumed from step 3 reproduces steps 4-6 (the same samples: DP = 1 in both). Packed

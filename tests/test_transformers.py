@@ -681,6 +681,7 @@ _TINY = ["--seq-len", "64", "--d-model", "32", "--layers", "2", "--micro-batch",
          "--corpus-bytes", "200000", "--steps", "3", "--pack-documents", "--log-json"]
 
 
+@pytest.mark.slow  # a 4-rank launch of the script (the default suite launches one example: test_deepspeed.py)
 @needs_deepspeed
 def test_example_trains_and_saves_a_plain_checkpoint(tmp_path) -> None:
     """pretrain_llama.sh --cpu --pack-documents: U2 x R2 on 4 ranks, the loss falls, and its

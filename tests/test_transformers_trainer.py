@@ -132,8 +132,11 @@ def _compare(results: list[dict[str, Any]], ref: dict[str, Any], *, evals: bool 
             (res["evals"], ref["evals"])
 
 
-@pytest.mark.parametrize("stage,grid,micro,pack", [(1, ("2", "2"), 2, False), (3, ("1", "2"), 1, False),
-                                                   (2, ("2", "2"), 2, True)])
+@pytest.mark.parametrize("stage,grid,micro,pack", [
+    (1, ("2", "2"), 2, False),
+    pytest.param(3, ("1", "2"), 1, False, marks=pytest.mark.slow),  # ZeRO-3 x DP2 (also: test_transformers.py's engine test)
+    pytest.param(2, ("2", "2"), 2, True, marks=pytest.mark.slow),
+])
 def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tuple[str, str], micro: int,
                                     pack: bool) -> None:
     """U2xR2 (ZeRO-1), DP2 x R2 (ZeRO-3) and packed documents at U2xR2 (ZeRO-2) on 4 ranks
@@ -229,6 +232,7 @@ def test_unsupported_setups_raise(pools) -> None:
     assert "save the model (trainer.save_model) and predict with it on one rank" in errors["predict"]
 
 
+@pytest.mark.slow  # a 4-rank launch of the script (the default suite launches one example: test_deepspeed.py)
 def test_example_runs_and_saves_a_plain_transformers_model(tmp_path: Path) -> None:
     """train_llama_trainer.sh --cpu: the launcher, JSON lines on stdout, save_model loading without ring_sp.
 

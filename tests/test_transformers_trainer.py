@@ -91,8 +91,15 @@ def train_case(argv: list[str], output_dir: str, resume: str | None = None) -> d
         "dp_size": None if topology is None else topology.dp_size,
         "zero_stage": trainer.model_wrapped.zero_optimization_stage(),
         "engine_topology_is_registered": topology is not None and trainer.model_wrapped.ring_sp_topology is topology,
+        "tiled": _tiled(trainer.model_wrapped.module),
         "deepspeed_initialize_restored": deepspeed.initialize is original,
     }
+
+
+def _tiled(model: torch.nn.Module) -> tuple[bool, bool]:
+    """(tiled MLP, tiled loss) as ``enable_long_sequence`` recorded them on the model."""
+    config = getattr(model, "ring_sp_long_sequence", None)
+    return (False, False) if config is None else (config.tiled_mlp, config.tiled_loss)
 
 
 def _token_mean(trainer: Any) -> float:
@@ -132,15 +139,17 @@ def _compare(results: list[dict[str, Any]], ref: dict[str, Any], *, evals: bool 
             (res["evals"], ref["evals"])
 
 
-@pytest.mark.parametrize("stage,grid,micro,pack", [
-    (1, ("2", "2"), 2, False),
-    pytest.param(3, ("1", "2"), 1, False, marks=pytest.mark.slow),  # ZeRO-3 x DP2 (also: test_transformers.py's engine test)
-    pytest.param(2, ("2", "2"), 2, True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("stage,grid,micro,pack,tiled", [
+    (1, ("2", "2"), 2, False, False),
+    (1, ("2", "2"), 2, True, True),  # the long-sequence step: the section's tiled_mlp / tiled_loss
+    pytest.param(3, ("1", "2"), 1, False, False, marks=pytest.mark.slow),  # ZeRO-3 x DP2 (also: test_transformers.py)
+    pytest.param(2, ("2", "2"), 2, True, False, marks=pytest.mark.slow),
 ])
 def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tuple[str, str], micro: int,
-                                    pack: bool) -> None:
+                                    pack: bool, tiled: bool) -> None:
     """U2xR2 (ZeRO-1), DP2 x R2 (ZeRO-3) and packed documents at U2xR2 (ZeRO-2) on 4 ranks
-    vs the plain Trainer with sdpa on 1 rank.
+    vs the plain Trainer with sdpa on 1 rank; tiled: the DeepSpeed section's ``tiled_mlp`` and
+    ``tiled_loss`` (5-token tiles) on packed documents, against the same untiled reference.
 
     ZeRO 1/2 sum gradients over the SP ranks and ZeRO-3 averages them (two loss scalings);
     DP = 2 checks that the replicas split the samples and that the token count spans them;
@@ -152,9 +161,11 @@ def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tup
     # token mean too; packed batches do not, so there only the final evaluate() is compared (with the token mean)
     evaluate = ["--eval-steps", "1", "--eval-samples", "8"]
     common = [*TINY, "--zero-stage", str(stage), *(["--pack-documents"] if pack else []), *evaluate]
+    long_sequence = ["--tiled-mlp", "--tiled-loss", "--tile-tokens", "5"] if tiled else []
     sp = pools.get(4, env=DS_ENV).run(
-        train_case, [*common, "--ulysses-size", grid[0], "--ring-size", grid[1], "--micro-batch", str(micro)],
-        str(tmp_path / "sp"), timeout=300)
+        train_case, [*common, *long_sequence, "--ulysses-size", grid[0], "--ring-size", grid[1], "--micro-batch",
+                     str(micro)], str(tmp_path / "sp"), timeout=300)
+    assert all(res["tiled"] == (tiled, tiled) for res in sp)
     dp = sp[0]["dp_size"]
     assert [res["dp_size"] for res in sp] == [4 // (int(grid[0]) * int(grid[1]))] * 4
     assert all(res["zero_stage"] == stage for res in sp)

@@ -390,12 +390,17 @@ def markdown(records: list[dict[str, Any]], lc: LengthConfig | None = None) -> s
         steps = ", ".join(f"{name} {sec:.2f} s" for name, sec in t["step_s"].items())
         out += ["", f"Step time at N={t['seq_len']:,} on {t['world_size']} ranks (median of the slowest rank, "
                     f"alternated): {steps}; tiled / untiled = {t['tiled_over_untiled']:.3f}."]
-    out += ["", f"Longest sequence within {lc.demo_budget_bytes / 2**30:.0f} GiB per rank (the calibrated planner; "
-                "multiples of 2 x ranks):", "", "| mode | longest N | its predicted peak MiB |", "|---|---|---|"]
+    out += ["", f"Longest sequence within {lc.demo_budget_bytes / 2**30:.0f} GiB per rank: the longest measured N "
+                "whose peak fits (a run), and the calibrated planner's (multiples of 2 x ranks):", "",
+            "| mode | longest measured N that fits (its peak MiB) | planner's longest N | its predicted peak MiB |",
+            "|---|---|---|---|"]
     for mode in LENGTH_MODES:
         training, u, r = training_of(mode, lc)
         n, step = max_seq_len(SMALL_LLAMA, training, lc.demo_budget_bytes, ulysses=u, ring=r)
-        out.append(f"| {mode.name} | {n:,} | {mib(step.total) if step else '-'} |")
+        fits = [(m, _total(cell[mode.name, m])) for m in seq_lens
+                if "peak_bytes" in cell.get((mode.name, m), {}) and _total(cell[mode.name, m]) <= lc.demo_budget_bytes]
+        measured = f"{fits[-1][0]:,} ({mib(fits[-1][1])})" if fits else f"none of {seq_lens[0]:,}..{seq_lens[-1]:,}"
+        out.append(f"| {mode.name} | {measured} | {n:,} | {mib(step.total) if step else '-'} |")
     return "\n".join(out) + "\n"
 
 

@@ -342,10 +342,44 @@ def ulysses_to_ring_order(layout: str, ulysses_size: int, ring_size: int, seq_le
 
 @dataclass(frozen=True)
 class Reorder:
-    """A token permutation along the sequence dim and its inverse (both on one device)."""
+    """A token permutation along the sequence dim, moving runs of ``chunk`` tokens.
 
+    ``index`` / ``inverse`` ``[tokens // chunk]``: ``apply`` puts run ``index[j]`` at run j,
+    ``undo`` reverses it. The plain layouts permute whole chunks of the sequence, so their
+    reorder is a few entries, not one per token (an index of every token, and its inverse,
+    cached per length and device, cost 8 bytes per global token at U2xR2: what the grid's
+    step held beyond ALST's); document layouts fall back to ``chunk == 1``.
+    """
+
+    chunk: int
     index: torch.Tensor
     inverse: torch.Tensor
+
+    def _select(self, x: torch.Tensor, runs: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.chunk == 1:
+            return x.index_select(dim, runs)
+        shape = x.shape
+        split = x.reshape(*shape[:dim], shape[dim] // self.chunk, self.chunk, *shape[dim + 1:])
+        return split.index_select(dim, runs).reshape(shape)
+
+    def apply(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """``x`` in the permuted order along ``dim`` (a new tensor)."""
+        return self._select(x, self.index, dim)
+
+    def undo(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The inverse of :meth:`apply`."""
+        return self._select(x, self.inverse, dim)
+
+
+def _run_length(index: torch.Tensor) -> int:
+    """The largest ``c`` such that ``index`` moves aligned runs of ``c`` consecutive tokens."""
+    n = index.numel()
+    for c in sorted((c for c in range(1, n + 1) if n % c == 0), reverse=True):
+        runs = index.view(-1, c)
+        starts = runs[:, :1]
+        if bool((starts % c == 0).all()) and torch.equal(runs - starts, torch.arange(c).expand_as(runs)):
+            return c
+    return 1
 
 
 @_cached
@@ -353,8 +387,10 @@ def ulysses_to_ring_reorder(
     layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int, device: torch.device,
     cu_seqlens: Boundaries | None = None,
 ) -> Reorder | None:
-    """:func:`ulysses_to_ring_order` with its inverse, cached on ``device``."""
+    """:func:`ulysses_to_ring_order` as a :class:`Reorder` of the longest aligned runs, cached on ``device``."""
     index = ulysses_to_ring_order(layout, ulysses_size, ring_size, seq_len, ring_rank, _layout_key(layout, cu_seqlens))
     if index is None:
         return None
-    return Reorder(index.to(device), index.argsort().to(device))
+    chunk = _run_length(index)
+    runs = index[::chunk] // chunk
+    return Reorder(chunk, runs.to(device), runs.argsort().to(device))

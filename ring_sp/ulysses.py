@@ -36,7 +36,7 @@ def head_from_recv(recv: torch.Tensor, order: Reorder | None) -> torch.Tensor:
     """[src, b, n, H/U, d] -> [b, U*n, H/U, d] in ``order`` (a view when b == 1 and no reorder)."""
     u, b, n, heads_local, d = recv.shape
     gathered = recv.transpose(0, 1).reshape(b, u * n, heads_local, d)
-    return gathered if order is None else gathered.index_select(1, order.index)
+    return gathered if order is None else order.apply(gathered)
 
 
 def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str) -> torch.Tensor:
@@ -49,7 +49,7 @@ def head_send_buffer(y: torch.Tensor, ulysses_size: int, order: Reorder | None) 
     """[b, U*n, H/U, d] -> the all-to-all's send buffer [dst, b, n, H/U, d], tokens back in
     Ulysses-rank order. No copy when y already is that buffer (b == 1, no reorder, contiguous)."""
     if order is not None:
-        y = y.index_select(1, order.inverse)
+        y = order.undo(y)
     b, un, heads_local, d = y.shape
     return y.reshape(b, ulysses_size, un // ulysses_size, heads_local, d).transpose(0, 1).contiguous()
 
@@ -113,7 +113,7 @@ def kv_grads_send_buffer(dk: torch.Tensor, dv: torch.Tensor, ulysses_size: int, 
     destination's m k heads then its m v heads (the layout :func:`pack_kv` sent). Written
     straight into the buffer: no ``cat`` of dk and dv, no separate cast."""
     if order is not None:
-        dk, dv = dk.index_select(1, order.inverse), dv.index_select(1, order.inverse)
+        dk, dv = order.undo(dk), order.undo(dv)
     b, un, m, d = dk.shape
     u = ulysses_size
     split = m * d

@@ -153,3 +153,21 @@ def test_document_boundaries_are_validated_with_the_fix() -> None:
     shards = torch.stack([shard_sequence(y, rank=r, world_size=2, layout="document_zigzag", cu_seqlens=[0, 4, 4, 16])
                           for r in range(2)])
     assert torch.equal(unshard_sequence(shards, layout="document_zigzag", cu_seqlens=[0, 4, 4, 16]), y)
+
+
+@pytest.mark.parametrize("layout,u,r,documents", [("zigzag", 2, 2, None), ("zigzag", 4, 2, None),
+                                                   ("document_zigzag", 2, 2, (0, 5, 40, 64))])
+def test_reorder_moves_runs_as_the_token_index_would(layout: str, u: int, r: int, documents) -> None:
+    """The cached reorder keeps a few run entries for the plain layouts (not one per token)
+    and applies exactly the token permutation of ulysses_to_ring_order, both ways."""
+    from ring_sp.layouts import ulysses_to_ring_order, ulysses_to_ring_reorder
+
+    seq_len = 64
+    for ring_rank in range(r):
+        index = ulysses_to_ring_order(layout, u, r, seq_len, ring_rank, documents)
+        reorder = ulysses_to_ring_reorder(layout, u, r, seq_len, ring_rank, torch.device("cpu"), documents)
+        x = torch.randn(2, index.numel(), 3, 4)
+        assert torch.equal(reorder.apply(x), x.index_select(1, index))
+        assert torch.equal(reorder.undo(reorder.apply(x)), x)
+        if documents is None:
+            assert reorder.chunk == seq_len // (2 * u * r) and reorder.index.numel() == 2 * u  # runs, not tokens

@@ -30,6 +30,7 @@ zigzag, ``P`` otherwise); :func:`ring_sp.shard_batch` pads any length to it at t
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -372,14 +373,11 @@ class Reorder:
 
 
 def _run_length(index: torch.Tensor) -> int:
-    """The largest ``c`` such that ``index`` moves aligned runs of ``c`` consecutive tokens."""
-    n = index.numel()
-    for c in sorted((c for c in range(1, n + 1) if n % c == 0), reverse=True):
-        runs = index.view(-1, c)
-        starts = runs[:, :1]
-        if bool((starts % c == 0).all()) and torch.equal(runs - starts, torch.arange(c).expand_as(runs)):
-            return c
-    return 1
+    """The largest ``c`` such that ``index`` moves aligned runs of ``c`` consecutive tokens: the
+    gcd of the length and of every maximal run's position and source (a chunk of ``c`` may
+    neither straddle a run's start nor begin off a multiple of ``c`` on either side)."""
+    starts = torch.cat((torch.zeros(1, dtype=torch.long), (index.diff() != 1).nonzero().flatten() + 1))
+    return math.gcd(index.numel(), *starts.tolist(), *index[starts].tolist())
 
 
 @_cached

@@ -149,19 +149,18 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
         trained = [p for p, t in zip(leaves, trains) if t]
         sums = [_accumulator(p) for p in trained]
         grad_h = torch.empty_like(hidden) if need_h else None
+        taking = need_h or bool(trained)  # no gradient wanted (no_grad, or nothing trains): the loss alone
         for start in range(0, hidden.shape[0], tile_tokens):
             stop = start + tile_tokens
             tile_labels = labels[start:stop]
-            if not (need_h or trained):
-                logits = _tile_logits(hidden[start:stop], weight, bias, softcap)
-                total += F.cross_entropy(logits, tile_labels, ignore_index=ignore_index, reduction="sum")
-                del logits
-                continue
             tile = hidden[start:stop].detach().requires_grad_(need_h)
-            with torch.enable_grad():
+            with torch.set_grad_enabled(taking):
                 logits = _tile_logits(tile, leaves[0], leaves[1], softcap)
             with torch.no_grad():
                 total += F.cross_entropy(logits, tile_labels, ignore_index=ignore_index, reduction="sum")
+            if not taking:
+                continue
+            with torch.no_grad():
                 # d(sum of token losses)/d logits = softmax - one_hot, on valid tokens only
                 d_logits = torch.softmax(logits.detach(), dim=-1)
                 valid = tile_labels != ignore_index

@@ -465,8 +465,7 @@ def test_example_trains_and_saves(tmp_path: Path) -> None:
 @needs_deepspeed
 def test_example_trains_saves_and_resumes(tmp_path: Path) -> None:
     """pretrain_gpt.sh --cpu: 4 ranks at U2 x R2, loss falls; resumed at U1 x R4 it continues the steps."""
-    tiny = _EXAMPLE_TINY
     first = _example_trains(tmp_path)
-    resumed = _run_example(*tiny, "--steps", "8", "--load", str(tmp_path), "--ulysses-size", "1", "--ring-size", "4")
+    resumed = _run_example(*_EXAMPLE_TINY, "--steps", "8", "--load", str(tmp_path), "--ulysses-size", "1", "--ring-size", "4")
     assert [r["step"] for r in resumed] == [7, 8]
     assert max(r["loss"] for r in resumed) < first[0]["loss"] - 0.3, (first, resumed)

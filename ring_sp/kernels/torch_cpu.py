@@ -27,10 +27,12 @@ from .base import FusedKernel
 _aten = torch.ops.aten
 
 
-def _bhsd(x: torch.Tensor) -> torch.Tensor:
-    """[b, s, h, d] view as [b, h, s, d], in float32 if x is bf16/fp16 (see module docstring)."""
+def _bhsd(x: torch.Tensor, *, head_major: bool = False) -> torch.Tensor:
+    """[b, s, h, d] as [b, h, s, d] (a view; ``head_major``: contiguous), in float32 if x is
+    bf16/fp16 (see module docstring); at most one copy either way."""
     x = x.transpose(1, 2)
-    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    return x.to(dtype, memory_format=torch.contiguous_format if head_major else torch.preserve_format)
 
 
 def unavailable_reason(head_dim: int, value_head_dim: int) -> str | None:
@@ -53,7 +55,7 @@ class TorchCPUKernel(FusedKernel):
         # Not in the backward: its five copies would raise the ring's backward peak past the
         # planner's minimum (tests/test_memory.py), which the forward's three do not
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhsd(q).contiguous(), _bhsd(k).contiguous(), _bhsd(v).contiguous(), 0.0, causal, scale=scale
+            _bhsd(q, head_major=True), _bhsd(k, head_major=True), _bhsd(v, head_major=True), 0.0, causal, scale=scale
         )
         return out.transpose(1, 2), lse
 

@@ -101,7 +101,7 @@ def _prepare(
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
                     resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens, window=window,
                     ulysses_size=u, schedules=schedule_cache(owner), kv_exchange=kv_exchange)
-    return ring, (UlyssesSpec(ulysses_group, u, reorder) if u > 1 else None)
+    return ring, (UlyssesSpec(ulysses_group, u, reorder, kernel.head_major) if u > 1 else None)
 
 
 def _planned_kv_exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: int, r: int, layout: str, causal: bool,

@@ -35,11 +35,13 @@ from .ulysses import (exchange, head_from_recv, head_send_buffer, head_to_seq, k
 
 @dataclass(frozen=True)
 class UlyssesSpec:
-    """The Ulysses side of the grid: its group, size and the reorder into the ring layout."""
+    """The Ulysses side of the grid: its group, size, the reorder into the ring layout and
+    whether the kernel wants head-major storage (``AttentionKernel.head_major``)."""
 
     group: dist.ProcessGroup
     size: int
     reorder: Reorder | None
+    head_major: bool = False
 
 
 def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingSpec,
@@ -86,11 +88,11 @@ class InputsToHeads(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # Also on a checkpoint's re-run (ring_sp.recompute): the ring's backward needs q and
         # k/v in head layout, and re-sending them costs less than keeping them.
-        q = seq_to_head(q, ulysses.group, ulysses.reorder, "ulysses_a2a_q")
+        order, head_major = ulysses.reorder, ulysses.head_major
+        q = seq_to_head(q, ulysses.group, order, "ulysses_a2a_q", head_major)
         packed = exchange(pack_kv(k, v, ulysses.size), ulysses.group, "ulysses_a2a_kv")  # [src, b, n, m*(d + d_v)]
-        m = kv_heads_per_rank(k.shape[2], ulysses.size)
-        k, v = unpack_kv(head_from_recv(packed.unsqueeze(3), ulysses.reorder), m, k.shape[3])
-        return q, k, v
+        k, v = unpack_kv(packed, kv_heads_per_rank(k.shape[2], ulysses.size), k.shape[3])
+        return q, head_from_recv(k, order, head_major), head_from_recv(v, order, head_major)
 
     @staticmethod
     def backward(ctx, dq: torch.Tensor | None, dk: torch.Tensor | None, dv: torch.Tensor | None):
@@ -130,7 +132,7 @@ class OutputToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         ulysses: UlyssesSpec = ctx.ulysses
-        return seq_to_head(dout, ulysses.group, ulysses.reorder, "ulysses_a2a_dout"), None
+        return seq_to_head(dout, ulysses.group, ulysses.reorder, "ulysses_a2a_dout", ulysses.head_major), None
 
 
 class SequenceParallelFunction(torch.autograd.Function):

@@ -269,6 +269,13 @@ def _block_backward(spec: RingSpec, task: BlockTask, dout: torch.Tensor, q: torc
                                 lse[:, :, task.q], causal=task.causal, scale=spec.scale, window=task.window)
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when stored ``[b, s, h, d]`` or ``[b, h, s, d]`` (Ulysses' head-major
+    outputs: copying those would cost a buffer), else a contiguous copy (e.g. an expanded
+    gradient), read once per block."""
+    return x if x.is_contiguous() or x.transpose(1, 2).is_contiguous() else x.contiguous()
+
+
 def _finish(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The merged rows in ``dtype``, the sinks folded in first (once, before the one rounding)."""
@@ -354,7 +361,7 @@ def ring_backward(
     own = _PackedKV.of(k, v)
     shape = _KVShape.of(k, v)
     mail = _kv_mail(spec, own, shape)
-    dout = dout.contiguous()
+    dout = _dense(dout)
     route = (_GatheredGrads if spec.gather_kv else _RelayedGrads if spec.relay_dkv else _DirectGrads)(
         spec, shape, k.shape[1], acc_dtype, k.device)
     for step, tasks in spec.steps():
@@ -517,7 +524,7 @@ def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
-    dout = dout.contiguous()
+    dout = _dense(dout)
     for task in tasks:
         dq_b, dk_b, dv_b = _block_backward(spec, task, dout, q, k, v, out, lse)
         dq[:, task.q] += dq_b

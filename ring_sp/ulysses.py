@@ -24,17 +24,28 @@ from .comm import all_to_all_equal
 from .layouts import Reorder
 
 
-def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str) -> torch.Tensor:
-    """[b, n, H, d] -> [b, U*n, H/U, d] (tokens reordered by ``order`` if given)."""
+def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str,
+                head_major: bool = False) -> torch.Tensor:
+    """[b, n, H, d] -> [b, U*n, H/U, d] (tokens reordered by ``order`` if given; ``head_major``:
+    see :func:`head_from_recv`)."""
     b, n, heads, d = x.shape
     u = dist.get_world_size(group)
     send = x.reshape(b, n, u, heads // u, d).permute(2, 0, 1, 3, 4).contiguous()  # [dst, b, n, H/U, d]
-    return head_from_recv(exchange(send, group, kind), order)
+    recv = exchange(send, group, kind)
+    del send  # before head_from_recv's copy
+    return head_from_recv(recv, order, head_major)
 
 
-def head_from_recv(recv: torch.Tensor, order: Reorder | None) -> torch.Tensor:
-    """[src, b, n, H/U, d] -> [b, U*n, H/U, d] in ``order`` (a view when b == 1 and no reorder)."""
+def head_from_recv(recv: torch.Tensor, order: Reorder | None, head_major: bool = False) -> torch.Tensor:
+    """[src, b, n, H/U, d] -> [b, U*n, H/U, d] in ``order``: a view of ``recv`` when b == 1 and
+    no reorder, else one copy. ``head_major`` (the kernel's preference, see
+    :mod:`ring_sp.kernels.base`): always one copy, into ``[b, H/U, U*n, d]`` storage, which the
+    reorder writes directly (a view of it is returned)."""
     u, b, n, heads_local, d = recv.shape
+    if head_major:
+        gathered = recv.permute(1, 3, 0, 2, 4).reshape(b, heads_local, u * n, d)  # a view when b == 1
+        stored = gathered.contiguous() if order is None else order.apply(gathered, dim=2)
+        return stored.transpose(1, 2)
     gathered = recv.transpose(0, 1).reshape(b, u * n, heads_local, d)
     return gathered if order is None else order.apply(gathered)
 
@@ -98,12 +109,11 @@ def pack_kv(k: torch.Tensor, v: torch.Tensor, ulysses_size: int) -> torch.Tensor
 
 
 def unpack_kv(packed: torch.Tensor, kv_heads_local: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the all-to-all and :func:`head_from_recv`: ``[b, U*n, 1, m*(d + d_v)]`` -> k
-    ``[b, U*n, m, d]``, v ``[b, U*n, m, d_v]`` (views; ``m = kv_heads_local``, ``d = head_dim``)."""
-    b, un, _, width = packed.shape
+    """The received ``[src, b, n, m*(d + d_v)]`` -> k ``[src, b, n, m, d]``, v ``[src, b, n, m, d_v]``
+    (views; ``m = kv_heads_local``, ``d = head_dim``), each for :func:`head_from_recv`."""
     split = kv_heads_local * head_dim
-    return (packed[..., :split].reshape(b, un, kv_heads_local, head_dim),
-            packed[..., split:].reshape(b, un, kv_heads_local, (width - split) // kv_heads_local))
+    return (packed[..., :split].unflatten(-1, (kv_heads_local, head_dim)),
+            packed[..., split:].unflatten(-1, (kv_heads_local, -1)))
 
 
 def kv_grads_send_buffer(dk: torch.Tensor, dv: torch.Tensor, ulysses_size: int, order: Reorder | None,
@@ -118,8 +128,9 @@ def kv_grads_send_buffer(dk: torch.Tensor, dv: torch.Tensor, ulysses_size: int, 
     u = ulysses_size
     split = m * d
     send = torch.empty((u, b, un // u, split + m * dv.shape[3]), dtype=dtype, device=dk.device)
-    send[..., :split].copy_(dk.reshape(b, u, un // u, split).transpose(0, 1))
-    send[..., split:].copy_(dv.reshape(b, u, un // u, -1).transpose(0, 1))
+    # per head (no flattening of m and d: head-major dk/dv would need a copy for it)
+    send[..., :split].unflatten(-1, (m, d)).copy_(dk.reshape(b, u, un // u, m, d).transpose(0, 1))
+    send[..., split:].unflatten(-1, (m, -1)).copy_(dv.reshape(b, u, un // u, m, -1).transpose(0, 1))
     return send
 
 

@@ -22,6 +22,10 @@ Conventions (shared by every backend, so the ring loop never branches on the bac
   ``causal=False, window=1`` (``c >= a``), which they run as their causal mask on both
   sequences reversed (exact; O(block) copies, no mask tensor). The schedule cuts every
   other band into full, causal and edge blocks for them.
+* ``head_major``: the op reads ``[b, h, s, d]``; a kernel with it set runs faster on
+  ``[b, s, h, d]`` views of ``[b, h, s, d]`` storage (each head's rows dense) than on
+  ``[b, s, h, d]`` storage, so the Ulysses all-to-all, which copies anyway, lays its outputs
+  out that way for it (:func:`ring_sp.ulysses.head_from_recv`). Any strides stay valid input.
 * ``backward`` receives the GLOBAL ``out`` and ``lse`` (after every block was merged),
   which is what makes the per-block gradients sum to the exact gradient.
 * Partial results (``out``, ``dq``, ``dk``, ``dv``) come back in the inputs' dtype, or in
@@ -43,6 +47,7 @@ class AttentionKernel(Protocol):
 
     name: str
     supports_window: bool  # takes any square ``window`` block (else only the edge block)
+    head_major: bool  # runs faster when each head's rows are dense ([b, h, s, d] storage); see below
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
@@ -118,6 +123,7 @@ class FusedKernel(abc.ABC):
 
     name: str
     supports_window = False
+    head_major = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,

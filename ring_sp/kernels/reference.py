@@ -59,6 +59,7 @@ class ReferenceKernel:
 
     name = "reference"
     supports_window = True  # any window, by its explicit mask
+    head_major = False
 
     def forward(
         self,

@@ -3,9 +3,11 @@
 ``aten._scaled_dot_product_flash_attention_for_cpu`` returns the logsumexp (float32 for
 low-precision inputs, float64 for float64) and its backward op accepts an arbitrary
 ``out``/``logsumexp``, which is exactly the global-statistics backward the ring needs.
-Both ops take ``[b, h, s, d]``; the forward gets head-major copies of our ``[b, s, h, d]``
-tensors (faster, see ``_forward``), the backward transposed views (no copy), and both hand
-back transposed views of theirs. The op supports GQA natively.
+Both ops take ``[b, h, s, d]`` and run fastest when each head's rows are dense (the backward
+3-5% faster at 4 heads, 16% at 16, 4K-8K tokens): the kernel is ``head_major``, so Ulysses
+hands it views of ``[b, h, s, d]`` storage, which pass as they are. The forward copies other inputs head-major
+(faster, copies included, see ``_forward``); the backward takes them as transposed views (no
+copy, for memory). Both hand back transposed views of their results. The op supports GQA natively.
 
 bf16/fp16 blocks are computed in float32 and their partial results (out, dq, dk, dv) are
 returned in float32: the ring accumulates partials in float32 anyway, and rounding every
@@ -27,12 +29,21 @@ from .base import FusedKernel
 _aten = torch.ops.aten
 
 
-def _bhsd(x: torch.Tensor, *, head_major: bool = False) -> torch.Tensor:
-    """[b, s, h, d] as [b, h, s, d] (a view; ``head_major``: contiguous), in float32 if x is
-    bf16/fp16 (see module docstring); at most one copy either way."""
+def _bhsd(x: torch.Tensor, *, dense_heads: bool = False) -> torch.Tensor:
+    """[b, s, h, d] as [b, h, s, d], in float32 if x is bf16/fp16 (see module docstring): a view
+    when no cast is needed and (unless ``dense_heads``) whatever the strides; otherwise ONE copy,
+    laid out head-major because that is what the op runs fastest on."""
     x = x.transpose(1, 2)
     dtype = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
-    return x.to(dtype, memory_format=torch.contiguous_format if head_major else torch.preserve_format)
+    if dtype != x.dtype:
+        return x.to(dtype, memory_format=torch.contiguous_format)
+    # (not ``x.to(memory_format=...)``: it returns x itself for these strides, no copy)
+    return x.contiguous() if dense_heads and not _rows_dense(x) else x
+
+
+def _rows_dense(x: torch.Tensor) -> bool:
+    """Each head's rows of ``[b, h, s, d]`` are one dense block (any head and batch strides)."""
+    return x.stride(-1) == 1 and (x.shape[-2] <= 1 or x.stride(-2) == x.shape[-1])
 
 
 def unavailable_reason(head_dim: int, value_head_dim: int) -> str | None:
@@ -47,15 +58,18 @@ class TorchCPUKernel(FusedKernel):
     """Fused CPU flash attention (fp64, fp32; bf16/fp16 computed in fp32)."""
 
     name = "torch"
+    head_major = True
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        # head-major copies: on [b, s, h, d] views the op reads each head's rows h*d apart and
-        # ran 2-10% slower, copies included (2K-8K tokens, 4-16 heads, one thread, medians).
-        # Not in the backward: its five copies would raise the ring's backward peak past the
-        # planner's minimum (tests/test_memory.py), which the forward's three do not
+        # rows dense per head: on [b, s, h, d] storage the op reads each head's rows h*d apart;
+        # copying such inputs head-major first is faster, copies included (4K tokens causal, one
+        # thread, interleaved medians: 0.97x at 4 heads, 0.70x at 16). Ulysses' outputs and their
+        # row blocks are dense already (no copy). Not in the backward: its five copies would
+        # raise the ring's backward peak past the planner's minimum (tests/test_memory.py)
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            _bhsd(q, head_major=True), _bhsd(k, head_major=True), _bhsd(v, head_major=True), 0.0, causal, scale=scale
+            _bhsd(q, dense_heads=True), _bhsd(k, dense_heads=True), _bhsd(v, dense_heads=True), 0.0, causal,
+            scale=scale
         )
         return out.transpose(1, 2), lse
 

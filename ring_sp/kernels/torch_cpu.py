@@ -5,9 +5,10 @@ low-precision inputs, float64 for float64) and its backward op accepts an arbitr
 ``out``/``logsumexp``, which is exactly the global-statistics backward the ring needs.
 Both ops take ``[b, h, s, d]`` and run fastest when each head's rows are dense (the backward
 3-5% faster at 4 heads, 16% at 16, 4K-8K tokens): the kernel is ``head_major``, so Ulysses
-hands it views of ``[b, h, s, d]`` storage, which pass as they are. The forward copies other inputs head-major
-(faster, copies included, see ``_forward``); the backward takes them as transposed views (no
-copy, for memory). Both hand back transposed views of their results. The op supports GQA natively.
+hands it views of ``[b, h, s, d]`` storage, which pass as they are. The forward copies other
+inputs head-major (faster, copies included, see ``_forward``); the backward takes them as
+transposed views (no copy, for memory; bf16/fp16 get the cast's one copy, head-major). Both
+hand back transposed views of their results. The op supports GQA natively.
 
 bf16/fp16 blocks are computed in float32 and their partial results (out, dq, dk, dv) are
 returned in float32: the ring accumulates partials in float32 anyway, and rounding every

@@ -29,28 +29,15 @@ from .agreement import CallSignature, agree, validation_requested
 from .function import UlyssesSpec, sequence_parallel_attention
 from .kernels import get_kernel
 from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_reorder
+from .plan.exchange_choice import choose_kv_exchange
 from .recompute import plan as recompute_plan
 from .recompute import reuse_requested
 from .ring import RingSpec, ring_comm_for
 from .schedule_cache import schedule_cache
+from .shapes import check_ulysses_heads
 from .topology import SequenceParallelTopology
 from .validation import (check_cu_seqlens, check_group, check_kv_exchange, check_local_length, check_options,
                          check_qkv, check_sinks, check_sliding_window, resolve_scale)
-
-
-def check_ulysses_heads(heads: int, kv_heads: int, ulysses_size: int) -> None:
-    """Ulysses splits query heads evenly and needs a simple KV-head mapping."""
-    if heads % ulysses_size != 0:
-        raise ValueError(
-            f"q heads ({heads}) must be divisible by ulysses_size ({ulysses_size}); choose a "
-            f"ulysses_size that divides {heads} and put the rest of the SP degree on the ring"
-        )
-    if kv_heads % ulysses_size != 0 and ulysses_size % kv_heads != 0:
-        raise ValueError(
-            f"k/v heads ({kv_heads}) and ulysses_size ({ulysses_size}) must divide one another "
-            f"(h_kv % U == 0 sends KV heads, U % h_kv == 0 replicates them); choose a ulysses_size "
-            f"that divides or is a multiple of {kv_heads}"
-        )
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -110,8 +97,6 @@ def _planned_kv_exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: i
     rank: it depends only on the agreed shapes and options)."""
     if r == 1:
         return "ring"
-    from .planner import choose_kv_exchange  # (the planner imports this module)
-
     return choose_kv_exchange(ulysses=u, ring=r, batch=q.shape[0], local_len=q.shape[1], heads=q.shape[2],
                               kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3], dtype=q.dtype,
                               layout=layout, causal=causal, sliding_window=window)

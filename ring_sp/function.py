@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .kernels import softmax_stat_dtype
 from .layouts import Reorder
 from .merge import sinks_grad
 from .recompute import RecomputePlan
 from .ring import RingSpec, ring_backward, ring_forward
+from .shapes import kv_heads_per_rank, softmax_stat_dtype
 from .ulysses import (exchange, head_from_recv, head_send_buffer, head_to_seq, kv_grads_from_recv,
-                      kv_grads_send_buffer, kv_heads_per_rank, pack_kv, seq_from_recv, seq_to_head, unpack_kv)
+                      kv_grads_send_buffer, pack_kv, seq_from_recv, seq_to_head, unpack_kv)
 
 
 @dataclass(frozen=True)

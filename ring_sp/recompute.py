@@ -51,9 +51,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .shapes import FINGERPRINT_BYTES
+
 ENV_VAR = "RING_SP_REUSE_ON_RECOMPUTE"
 _STACK_DEPTH = 64  # frames searched for a reentrant checkpoint's forward
-FINGERPRINT_BYTES = 3 * 2 * 8  # what an entry keeps besides out and lse: two float64 per q, k, v
 
 
 def reuse_requested(reuse: bool | None) -> bool:

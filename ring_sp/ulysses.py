@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .comm import all_to_all_equal
 from .layouts import Reorder
+from .shapes import kv_heads_per_rank
 
 
 def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str,
@@ -80,11 +81,6 @@ def seq_from_recv(recv: torch.Tensor) -> torch.Tensor:
     """[src = head group, b, n, H/U, d] -> [b, n, H, d] (one copy)."""
     u, b, n, heads_local, d = recv.shape
     return recv.permute(1, 2, 0, 3, 4).reshape(b, n, u * heads_local, d)
-
-
-def kv_heads_per_rank(kv_heads: int, ulysses_size: int) -> int:
-    """KV heads each Ulysses rank receives: ``h_kv / U`` when U divides h_kv, else 1."""
-    return kv_heads // ulysses_size if kv_heads % ulysses_size == 0 else 1
 
 
 def _replication_index(kv_heads: int, ulysses_size: int, device: torch.device) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import ring_sp
 from dist_cases import AttnCase, check_attention_cases
-from ring_sp.planner import Cluster, ModelShape, Workload, choose_kv_exchange, layer_bytes, plan
+from ring_sp.plan import Cluster, ModelShape, Workload, choose_kv_exchange, layer_bytes, plan
 
 AG = "all_gather"
 # the collectives' torch names (torch 2.13 renamed them)

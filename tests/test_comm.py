@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import ring_sp
-from ring_sp.planner import layer_bytes  # DESIGN section 5 as implemented; test_plan checks it by hand
+from ring_sp.plan import layer_bytes  # DESIGN section 5 as implemented; test_plan checks it by hand
 
 # isend/irecv are not wrapped: P2POp checks them by identity (batch_isend_irecv counts them)
 _COLLECTIVES = ("batch_isend_irecv", "send", "recv", "all_to_all_single", "all_to_all",

@@ -15,7 +15,7 @@ MODES = [Mode("ring zigzag", "ring", "zigzag"), Mode("Ulysses", "ulysses", "cont
 
 def test_kept_memory_equals_the_planner_model(pools) -> None:
     """Bytes a layer keeps between forward and backward, plain and checkpointed: exactly
-    ``ring_sp.planner.attention_memory`` on every rank."""
+    ``ring_sp.plan.attention_memory`` on every rank."""
     for per_rank in pools.get(2).run(activation_case, PROBLEM, MODES, timeout=300):
         for mode in MODES:
             model = _attention_memory(mode, PROBLEM, 2)

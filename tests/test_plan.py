@@ -1,4 +1,4 @@
-"""The planner (``ring_sp.planner``) and its CLI (``ring-sp plan``) on hand-computed cases.
+"""The planner (``ring_sp.plan``) and its CLI (``ring-sp plan``) on hand-computed cases.
 
 Figures are passed explicitly (F = 494.5 TFLOP/s achieved, NVLink 450 GB/s, IB 50 GB/s
 per GPU) so that changing the defaults cannot change these numbers; F/B over IB = 9890.
@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-from ring_sp.plan import main
-from ring_sp.planner import Cluster, ModelShape, PlanError, Workload, layer_bytes, plan
+from ring_sp.plan import Cluster, ModelShape, PlanError, Workload, layer_bytes, main, plan
 from test_comm import measure
 
 F, NVLINK, IB = 494.5e12, 450e9, 50e9

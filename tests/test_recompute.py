@@ -14,6 +14,7 @@ import torch
 
 import recompute_cases as rc
 from ring_sp import recompute
+from ring_sp.shapes import FINGERPRINT_BYTES
 
 FORWARD_A2A = ("ulysses_a2a_q", "ulysses_a2a_kv", "ulysses_a2a_out")
 
@@ -117,7 +118,7 @@ def test_fingerprint_tells_inputs_apart() -> None:
     nudged = x.clone()
     nudged[0, 3, 1, 2] += 1e-6
     base = recompute.fingerprint(x, x, x)
-    assert base.numel() * base.element_size() == recompute.FINGERPRINT_BYTES  # the planner's figure
+    assert base.numel() * base.element_size() == FINGERPRINT_BYTES  # the planner's figure
     assert torch.equal(base, recompute.fingerprint(x.clone(), x, x))
     for other in (swapped, nudged):
         assert not torch.equal(base, recompute.fingerprint(other, x, x))

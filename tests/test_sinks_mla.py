@@ -20,7 +20,7 @@ import ring_sp
 from dist_cases import AttnCase, check_attention_cases
 from ring_sp.kernels import get_kernel, unavailable_reason
 from ring_sp.kernels.reference import ReferenceKernel
-from ring_sp.planner import layer_bytes
+from ring_sp.plan import layer_bytes
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 DTYPES = ("fp64", "fp32", "bf16")

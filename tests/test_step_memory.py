@@ -1,4 +1,4 @@
-"""Issue 20: the whole-step memory model (ring_sp/step_memory.py) and ``ring-sp plan --max-seq-len``.
+"""Issue 20: the whole-step memory model (ring_sp/plan/step_memory.py) and ``ring-sp plan --max-seq-len``.
 
 * Calibration on CPU: the predicted peak per rank of one steady-state training step of the
   issue's small HF Llama (hidden 256, 2 layers, ffn 1024, 8 q / 4 kv heads, vocab 32K, fp32)
@@ -19,9 +19,9 @@ import json
 import pytest
 
 from benchmarks.length import SMALL_LLAMA
-from ring_sp import plan as plan_cli
-from ring_sp import step_memory as sm
-from ring_sp.planner import PlanError
+from ring_sp.plan import cli as plan_cli
+from ring_sp.plan import step_memory as sm
+from ring_sp.plan import PlanError
 
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
 

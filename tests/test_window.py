@@ -20,7 +20,7 @@ from oracle import make_inputs
 from ring_sp.kernels.reference import ReferenceKernel
 from ring_sp.kernels.torch_cpu import TorchCPUKernel
 from ring_sp.layouts import layout_positions
-from ring_sp.planner import Cluster, ModelShape, PlanError, Workload, layer_bytes, plan
+from ring_sp.plan import Cluster, ModelShape, PlanError, Workload, layer_bytes, plan
 from ring_sp.schedule import BlockTask, exchange_plan, window_step_tasks
 
 PLAIN = ("contiguous", "zigzag", "striped")

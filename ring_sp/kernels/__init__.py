@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from . import torch_cpu
-from .base import AttentionKernel, softmax_stat_dtype
+from ..shapes import softmax_stat_dtype
+from . import flash_attn, torch_cpu, torch_cuda
+from .base import AttentionKernel
+from .flash_attn import FlashAttnKernel
 from .reference import ReferenceKernel
 from .torch_cpu import TorchCPUKernel
+from .torch_cuda import TorchCUDAKernel
 
 BACKENDS = ("auto", "torch", "flash_attn", "reference")
 
@@ -40,13 +43,9 @@ def unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype, h
         if device.type == "cpu":
             return torch_cpu.unavailable_reason(head_dim, d_v)
         if device.type == "cuda":
-            from . import torch_cuda
-
             return torch_cuda.unavailable_reason(dtype, head_dim, d_v)
         return f"backend='torch' has no fused attention op with logsumexp for device type {device.type!r}"
     if backend == "flash_attn":
-        from . import flash_attn
-
         return flash_attn.unavailable_reason(dtype, head_dim, d_v, device)
     raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
 
@@ -78,9 +77,5 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim:
     if name == "torch":
         if device.type == "cpu":
             return TorchCPUKernel()
-        from .torch_cuda import TorchCUDAKernel
-
         return TorchCUDAKernel()
-    from .flash_attn import FlashAttnKernel
-
     return FlashAttnKernel()

@@ -40,6 +40,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..shapes import softmax_stat_dtype
+
 
 @runtime_checkable
 class AttentionKernel(Protocol):
@@ -74,11 +76,6 @@ class AttentionKernel(Protocol):
         """Gradients of this block given the global ``out`` ``[b, sq, h, d_v]`` and
         ``lse`` ``[b, h, sq]``: dq ``[b, sq, h, d]``, dk ``[b, sk, h_kv, d]``, dv ``[b, sk, h_kv, d_v]``."""
         ...
-
-
-def softmax_stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of lse and of the fp32 accumulators: float64 stays float64, all else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_block_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import check_block_shapes, softmax_stat_dtype
+from ..shapes import softmax_stat_dtype
+from .base import check_block_shapes
 
 
 def causal_mask(seq_q: int, seq_k: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -6,9 +6,9 @@
 prints the recommended split and, for every candidate, the modelled bytes per layer,
 activation memory per GPU, whether the ring hides its transfers (DESIGN.md section 8) and
 the attention time per layer; ``--json`` prints the same as JSON. An impossible request
-exits with status 2 and the reason. The model is :mod:`ring_sp.planner`.
+exits with status 2 and the reason. The model is :mod:`ring_sp.plan.search`.
 
-The whole training step (:mod:`ring_sp.step_memory`): ``--model`` (a preset or an HF
+The whole training step (:mod:`ring_sp.plan.step_memory`): ``--model`` (a preset or an HF
 ``config.json``) adds the vocabulary and MLP, and with the training options (ZeRO stage,
 checkpointing and offload, tiling, ``--alst``) the peak memory per GPU of one step with its
 breakdown; ``--max-seq-len`` prints the longest sequence that fits per grid:
@@ -24,56 +24,16 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
+from ..grid import PLACEMENTS
+from ..shapes import check_ulysses_heads
+from ..validation import KV_EXCHANGES
 from . import step_memory as sm
-from .planner import DTYPES, Candidate, Cluster, ModelShape, Plan, PlanError, Workload, plan
-from .topology import PLACEMENTS
-from .validation import KV_EXCHANGES
-
-
-@dataclass(frozen=True)
-class GPU:
-    """Dense bf16/fp16 tensor-core peak (no sparsity), memory, and the node's GPU-to-GPU link."""
-
-    name: str
-    tflops: float
-    memory_gib: float
-    intra_link: str
-
-
-# NVIDIA datasheets: A100 SXM 312 TFLOP/s, NVLink3; H100 SXM and H200 SXM 989 TFLOP/s, NVLink4;
-# HGX B200 36 PFLOP/s sparse per 8 GPUs = 2.25 PFLOP/s dense per GPU, NVLink5.
-GPUS = {
-    "a100": GPU("A100 SXM 80GB", 312.0, 80.0, "nvlink3"),
-    "h100": GPU("H100 SXM", 989.0, 80.0, "nvlink4"),
-    "h200": GPU("H200 SXM", 989.0, 141.0, "nvlink4"),
-    "b200": GPU("B200", 2250.0, 180.0, "nvlink5"),
-}
-
-# Bytes/s per GPU per direction. NVLink totals are bidirectional: NVLink3 600 GB/s, NVLink4
-# 900 GB/s, NVLink5 1.8 TB/s per GPU. PCIe x16: gen4 32 GB/s, gen5 64 GB/s per direction.
-# InfiniBand, one NIC per GPU (DGX/HGX): HDR 200 Gb/s, NDR 400 Gb/s, XDR 800 Gb/s.
-LINKS = {
-    "nvlink3": 300e9, "nvlink4": 450e9, "nvlink5": 900e9,
-    "pcie4": 32e9, "pcie5": 64e9,
-    "ib200": 25e9, "ib400": 50e9, "ib800": 100e9,
-}
-
-# Achieved share of the dense peak in attention: FlashAttention-2 reaches 50-73% on A100,
-# FlashAttention-3 up to 75% on H100; we take the low end.
-DEFAULT_EFFICIENCY = 0.5
-
-# A fixed cost per synchronising exchange (a ring step, a collective): NCCL's small-message
-# latency on NVLink is a few microseconds, plus the step's wait on its slowest peer; nominal.
-DEFAULT_LATENCY_US = 10.0
-
-
-def nominal_cluster(world_size: int) -> Cluster:
-    """One node of ``world_size`` H100s at the CLI's defaults: what ``kv_exchange="auto"`` plans with."""
-    gpu = GPUS["h100"]
-    return Cluster(world_size, world_size, gpu.tflops * 1e12 * DEFAULT_EFFICIENCY, LINKS[gpu.intra_link],
-                   LINKS["ib400"], gpu.memory_gib * 2**30, DEFAULT_LATENCY_US * 1e-6)
+from .layer_time import Candidate
+from .presets import DEFAULT_EFFICIENCY, DEFAULT_LATENCY_US, GPUS, LINKS
+from .request import DTYPES, Cluster, ModelShape, PlanError, Workload
+from .search import Plan, plan
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -248,8 +208,6 @@ def render_max_seq_len(args: argparse.Namespace, model: sm.Transformer) -> str:
     """The longest sequence per U x R (every Ulysses size the heads allow; --ulysses pins one) on
     --world-size GPUs of --gpu-memory-gib, the peak's breakdown, and, with --alst, what ALST
     (Ulysses only) reaches next to ring_sp's grid with the same tiling and offload."""
-    from .attention import check_ulysses_heads
-
     gpu = GPUS[args.gpu]
     memory = (args.gpu_memory_gib if args.gpu_memory_gib is not None else gpu.memory_gib) * 2**30
     sp = args.sp_size or args.world_size
@@ -335,7 +293,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(render(result, args) + ("" if step is None else "\n\n" + _render_step(step, result.cluster.memory_bytes)))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

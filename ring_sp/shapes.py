@@ -1,0 +1,42 @@
+"""Shape and dtype arithmetic that the runtime and the planner must agree on.
+
+Pure: no process groups, no kernels, so the cost model (:mod:`ring_sp.plan`) can sit below
+the runtime and still count exactly what the runtime allocates and sends:
+
+* how Ulysses splits query and KV heads (:func:`check_ulysses_heads`,
+  :func:`kv_heads_per_rank`);
+* the dtype of the softmax statistics and the gradient accumulators
+  (:func:`softmax_stat_dtype`);
+* the bytes a recompute entry keeps besides out and lse (:data:`FINGERPRINT_BYTES`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FINGERPRINT_BYTES = 3 * 2 * 8  # what a recompute entry keeps besides out and lse: two float64 per q, k, v
+
+
+def check_ulysses_heads(heads: int, kv_heads: int, ulysses_size: int) -> None:
+    """Ulysses splits query heads evenly and needs a simple KV-head mapping."""
+    if heads % ulysses_size != 0:
+        raise ValueError(
+            f"q heads ({heads}) must be divisible by ulysses_size ({ulysses_size}); choose a "
+            f"ulysses_size that divides {heads} and put the rest of the SP degree on the ring"
+        )
+    if kv_heads % ulysses_size != 0 and ulysses_size % kv_heads != 0:
+        raise ValueError(
+            f"k/v heads ({kv_heads}) and ulysses_size ({ulysses_size}) must divide one another "
+            f"(h_kv % U == 0 sends KV heads, U % h_kv == 0 replicates them); choose a ulysses_size "
+            f"that divides or is a multiple of {kv_heads}"
+        )
+
+
+def kv_heads_per_rank(kv_heads: int, ulysses_size: int) -> int:
+    """KV heads each Ulysses rank receives: ``h_kv / U`` when U divides h_kv, else 1."""
+    return kv_heads // ulysses_size if kv_heads % ulysses_size == 0 else 1
+
+
+def softmax_stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of lse and of the fp32 accumulators: float64 stays float64, all else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

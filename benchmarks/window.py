@@ -16,8 +16,9 @@ Modelled (the planner's figures, ``ring_sp.planner``): bytes and time per rank p
 links; and the same ranks over 50 GB/s inter-node links), a Llama-8B-like layer (32 q / 8 KV
 heads, head_dim 128, bf16). Measured (gloo ranks on this CPU): the halo against the full
 rotation at smaller ``N``, bytes counted by ``ring_sp.count_communication`` and times as the
-median of the slowest rank. The full rotation is measured by swapping ring_sp's exchange plan
-for one that moves every shard at every step (same blocks, same kernel), in the benchmark only.
+median of the slowest rank. The full rotation is measured by swapping ring_sp's exchange planner
+(``RingSpec.exchange_planner``, a seam for this benchmark) for one that moves every shard at
+every step (same blocks, same kernel), in the benchmark only.
 
 Writes ``window.jsonl``, ``window.md`` and ``window.png`` into ``--out`` (default
 ``benchmarks/results``).
@@ -39,6 +40,7 @@ import torch.distributed as dist
 
 import ring_sp
 from ring_sp.planner import BACKWARD_FLOP_RATIO, dtype_bytes, layer_bytes
+from ring_sp.ring import RingSpec
 from ring_sp.schedule import ExchangePlan, exchange_plan
 
 from .launch import launcher, sp_group
@@ -94,22 +96,26 @@ def modelled(seq_len: int, window: int, ranks: int, layout: str, bandwidth: floa
 
 # ---- measured ---------------------------------------------------------------------------------
 
+def _full_rotation_planner(layout: str, causal: bool, rank: int, world_size: int, local_len: int,
+                           cu_seqlens=None, window: int | None = None, native_window: bool = False, *,
+                           ulysses_size: int = 1) -> ExchangePlan:
+    """:func:`ring_sp.schedule.exchange_plan` with every shard moved at every step when windowed."""
+    plan_ = exchange_plan(layout, causal, rank, world_size, local_len, cu_seqlens, window, native_window,
+                          ulysses_size=ulysses_size)
+    return plan_ if window is None else _full_rotation(plan_, local_len)
+
+
 @contextlib.contextmanager
 def _every_shard_everywhere() -> Iterator[None]:
-    """Inside the block ring_sp's windowed calls move every shard at every step (benchmark only)."""
-    import ring_sp.ring as ring_module
-
-    original = ring_module.exchange_plan
-
-    def full(layout, causal, rank, world_size, local_len, cu_seqlens=None, window=None, native_window=False):
-        plan_ = original(layout, causal, rank, world_size, local_len, cu_seqlens, window, native_window)
-        return plan_ if window is None else _full_rotation(plan_, local_len)
-
-    ring_module.exchange_plan = full
+    """Inside the block ring_sp's windowed calls move every shard at every step (benchmark only),
+    through the ring's planner seam :attr:`ring_sp.ring.RingSpec.exchange_planner` (which keys
+    the schedule cache, so neither scheme is served the other's schedule)."""
+    original = RingSpec.__dict__["exchange_planner"]
+    RingSpec.exchange_planner = staticmethod(_full_rotation_planner)
     try:
         yield
     finally:
-        ring_module.exchange_plan = original
+        RingSpec.exchange_planner = original
 
 
 def measure_case(seq_len: int, window: int, layout: str, full: bool, repeats: int, heads: int, kv_heads: int,

@@ -79,20 +79,20 @@ def test_all_gather_equals_full_attention_on_four_ranks(pools) -> None:
 
 def _broken_gather_case(case: AttnCase) -> str:
     """Negative control: the gathered KV of the wrong source must fail the oracle check."""
-    from ring_sp import ring
+    from ring_sp.ring import kv_exchange
 
-    original = ring._GatheredKV.received
+    original = kv_exchange.GatheredKV.received
 
     def wrong(self, step):
         return original(self, (step + 1) % self.spec.world_size)
 
-    ring._GatheredKV.received = wrong
+    kv_exchange.GatheredKV.received = wrong
     try:
         check_attention_cases([case])
     except AssertionError as exc:
         return str(exc)
     finally:
-        ring._GatheredKV.received = original
+        kv_exchange.GatheredKV.received = original
     raise AssertionError("a wrong gathered shard went unnoticed")
 
 

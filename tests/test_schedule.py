@@ -131,7 +131,7 @@ def test_document_zigzag_balances_every_document_mix_and_plain_zigzag_does_not()
 def test_interval_blocks_cover_exactly_the_causal_pairs_of_any_two_intervals(causal: bool) -> None:
     """The per-document cut of a block, for every pair of intervals in a small frame
     (our layouts only produce nested ones; the function is exact for all)."""
-    from ring_sp.schedule import _interval_blocks
+    from ring_sp.schedule.blocks import interval_blocks as _interval_blocks
 
     size = 6
     intervals = [(a, b) for a in range(size) for b in range(a + 1, size + 1)]

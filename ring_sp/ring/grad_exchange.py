@@ -1,0 +1,148 @@
+"""The gradient side of the ring backward: where the dK/dV partials of each block go.
+
+``dq`` stays local (:mod:`.loops`); the dK/dV partials take one of three routes, a pure
+choice per call. The full ring relays an fp32 ``[dk; dv]`` accumulator with its shard, home
+after ``R`` sends, the last hop in the input dtype (:class:`RelayedGrads`,
+:attr:`RingSpec.relay_dkv`); a sliding window sends each fp32 partial straight home to
+``r - t``, where the owner sums them and rounds once, so it talks to its halo partners only
+(:class:`DirectGrads`). With ``kv_exchange="all_gather"`` the partials of every source are
+added into one fp32 buffer and reduce-scattered home at the end (:class:`GatheredGrads`).
+
+Each route takes, per step, :meth:`begin`, :meth:`add` for each block as the kernel returns
+its gradients, :meth:`end`; :meth:`finish` hands the owner its dk and dv.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import PendingExchange
+from ..schedule import BlockTask
+from .kv_exchange import KVShape, Mail, PackedKV
+from .spec import RingSpec
+
+
+class RelayedGrads:
+    """The full ring's dK/dV route: an fp32 accumulator travels with its KV shard (relayed
+    neighbour to neighbour) and goes home after ``R`` sends, the last in ``deliver_dtype``.
+
+    Per step: :meth:`begin`, :meth:`add` for each block as the kernel returns it, :meth:`end`.
+    The accumulator of the KV now held (sent by ``r - 1`` at the end of its previous step)
+    is awaited at the step's first :meth:`add`, so its transfer overlaps that block's compute."""
+
+    def __init__(self, spec: RingSpec, shape: KVShape, rows: int, acc_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.spec, self.shape, self.acc_dtype = spec, shape, acc_dtype
+        self.dkv = shape.allocate(rows, acc_dtype, device, zero=True)
+        self.dkv_next = shape.allocate(rows, acc_dtype, device)
+        self.pending: PendingExchange | None = None
+
+    def begin(self, step: int) -> None:
+        pass  # the accumulator is awaited lazily, at the first block's gradients
+
+    def _arrived(self) -> None:
+        if self.pending is not None:  # the accumulator of the KV we now hold arrives
+            self.pending.wait()
+            self.pending = None
+            self.dkv, self.dkv_next = self.dkv_next, self.dkv
+
+    def add(self, task: BlockTask, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+        self._arrived()
+        self.dkv.k[:, task.kv] += dk_b
+        self.dkv.v[:, task.kv] += dv_b
+
+    def end(self, step: int) -> None:
+        self._arrived()  # a step without blocks still relays the accumulator it received
+        if step < self.spec.world_size - 1:  # pass the accumulator on with its KV
+            self.pending = self.spec.rotate(self.dkv.buf, self.dkv_next.buf, "ring_dkv")
+
+    def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # After R - 1 hops every accumulator holds all its contributions; one more takes it home.
+        home = self.shape.allocate(self.dkv.rows, deliver_dtype, self.dkv.buf.device)
+        send = self.dkv.buf if deliver_dtype == self.acc_dtype else self.dkv.buf.to(deliver_dtype)
+        self.spec.rotate(send, home.buf, "ring_dkv").wait()
+        return home.k, home.v
+
+
+class DirectGrads:
+    """The sliding window's dK/dV route: the fp32 partial for the rows of rank ``r - t``'s
+    KV used at step ``t`` goes straight home (one message per halo partner), and this rank
+    adds the partials for its own rows as they arrive from ``r + t``; rounded once, by the owner.
+    The previous step's exchange is awaited at the step's first block (or its end), after compute."""
+
+    def __init__(self, spec: RingSpec, shape: KVShape, rows: int, acc_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.spec = spec
+        self.home = shape.allocate(rows, acc_dtype, device, zero=True)
+        self.mail = Mail(spec, None, "ring_dkv", shape, acc_dtype, device, reverse=True)
+        self.pending: tuple[int, PendingExchange] | None = None
+        self.target: PackedKV | None = None
+
+    def _collect(self) -> None:
+        if self.pending is not None:
+            step, work = self.pending
+            work.wait()
+            rows = self.spec.send_rows[step]
+            if rows is not None:  # rank + step computed with these rows of our KV: their partial arrived
+                partial = self.mail.received(step)
+                assert partial is not None
+                self.home.k[:, rows[0]:rows[1]] += partial.k
+                self.home.v[:, rows[0]:rows[1]] += partial.v
+            self.pending = None
+
+    def begin(self, step: int) -> None:
+        self.target = self.home
+        if step:
+            # this step's stage slot is free: its step - 2 exchange was awaited during step - 1
+            self.target = None
+            if self.spec.recv_rows[step] is not None:  # we hold rows of rank - step's KV: a partial goes home
+                self.target = self.mail.outgoing(step)
+                self.target.buf.zero_()
+
+    def add(self, task: BlockTask, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+        self._collect()
+        self.target.k[:, task.kv] += dk_b  # type: ignore[union-attr]  # (blocks only where rows arrived)
+        self.target.v[:, task.kv] += dv_b  # type: ignore[union-attr]
+
+    def end(self, step: int) -> None:
+        if step:
+            self._collect()
+            work = self.mail.post(step, self.target)
+            self.pending = None if work is None else (step, work)
+
+    def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        self._collect()
+        return self.home.k.to(deliver_dtype), self.home.v.to(deliver_dtype)
+
+
+class GatheredGrads:
+    """``kv_exchange="all_gather"``'s dK/dV route: every block's partial is added into an fp32
+    buffer holding one packed ``[dk; dv]`` per ring rank (the rows of the KV it came from),
+    which one reduce-scatter sums home at the end; the owner rounds once."""
+
+    def __init__(self, spec: RingSpec, shape: KVShape, rows: int, acc_dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.spec, self.shape, self.rows = spec, shape, rows
+        self.size = shape.numel(rows)
+        self.partials = torch.zeros(spec.world_size * self.size, dtype=acc_dtype, device=device)
+
+    def begin(self, step: int) -> None:
+        source = (self.spec.rank - step) % self.spec.world_size
+        self.into = self.shape.view(self.partials[source * self.size:(source + 1) * self.size], self.rows)
+        rows = self.spec.recv_rows[step]
+        self.first = 0 if step == 0 or rows is None else rows[0]  # key slices are relative to the rows used
+
+    def add(self, task: BlockTask, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+        kv = slice(task.kv.start + self.first, task.kv.stop + self.first)
+        self.into.k[:, kv] += dk_b
+        self.into.v[:, kv] += dv_b
+
+    def end(self, step: int) -> None:
+        pass  # everything goes home in one reduce-scatter at the end
+
+    def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        home = self.shape.allocate(self.rows, self.partials.dtype, self.partials.device)
+        assert self.spec.comm is not None  # world_size > 1 here
+        self.spec.comm.reduce_scatter(home.buf, self.partials, "reduce_scatter_dkv")
+        del self.partials
+        return home.k.to(deliver_dtype), home.v.to(deliver_dtype)

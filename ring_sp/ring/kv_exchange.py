@@ -1,0 +1,170 @@
+"""The KV side of the ring loops: where each step's packed ``[k; v]`` comes from.
+
+k and v share one flat buffer (:class:`KVShape`, :class:`PackedKV`), so a value head size
+different from k's (MLA) travels in the same single message. With ``kv_exchange="ring"``
+(:class:`Mail`), at step ``t`` every rank sends its OWN shard to ``r + t`` and receives
+rank ``r - t``'s (the same bytes and calls per step as relaying neighbour to neighbour),
+posted before the previous step's compute into a double buffer; a pair of ranks with
+nothing to compute exchanges nothing, which with a sliding window leaves only the halo
+partners (one or two), and those send only the rows the partner reads. The same mail,
+reversed, takes a window's dK/dV partials home (:class:`~.grad_exchange.DirectGrads`).
+
+``kv_exchange="all_gather"`` (:attr:`RingSpec.gather_kv`): the KV of step ``t`` comes from
+one all-gather of every rank's packed shard instead (:class:`GatheredKV`), posted before
+step 0, so it overlaps the own block's compute (forward and again in backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import PendingExchange
+from .spec import RingSpec
+
+
+def _span(rows: tuple[int, int] | None) -> int:
+    return 0 if rows is None else rows[1] - rows[0]
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """Batch, KV heads and the k / v head sizes of a packed KV message; its row count varies."""
+
+    batch: int
+    heads: int
+    d: int
+    d_v: int
+
+    @staticmethod
+    def of(k: torch.Tensor, v: torch.Tensor) -> KVShape:
+        return KVShape(k.shape[0], k.shape[2], k.shape[3], v.shape[3])
+
+    def numel(self, rows: int) -> int:
+        return self.batch * rows * self.heads * (self.d + self.d_v)
+
+    def view(self, flat: torch.Tensor, rows: int) -> PackedKV:
+        """The first ``numel(rows)`` elements of ``flat`` as k ``[b, rows, h_kv, d]`` then v."""
+        split = self.batch * rows * self.heads * self.d
+        return PackedKV(flat[: self.numel(rows)], flat[:split].view(self.batch, rows, self.heads, self.d),
+                        flat[split: self.numel(rows)].view(self.batch, rows, self.heads, self.d_v))
+
+    def allocate(self, rows: int, dtype: torch.dtype, device: torch.device, zero: bool = False) -> PackedKV:
+        make = torch.zeros if zero else torch.empty
+        return self.view(make(self.numel(rows), dtype=dtype, device=device), rows)
+
+
+@dataclass(frozen=True)
+class PackedKV:
+    """k ``[b, s, h_kv, d]`` and v ``[b, s, h_kv, d_v]`` as contiguous views of ONE flat
+    buffer ``buf``, so each message is one send whatever ``d_v`` is."""
+
+    buf: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.k.shape[1]
+
+    @staticmethod
+    def of(k: torch.Tensor, v: torch.Tensor) -> PackedKV:
+        packed = KVShape.of(k, v).allocate(k.shape[1], k.dtype, k.device)
+        packed.k.copy_(k)
+        packed.v.copy_(v)
+        return packed
+
+
+class _Slots:
+    """``count`` flat buffers allocated once per call, each viewed per step as a packed KV
+    message of any ``rows`` up to the largest of ``rows_per_step``."""
+
+    def __init__(self, count: int, shape: KVShape, rows_per_step: list[int], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.shape = shape
+        size = shape.numel(max(rows_per_step, default=0))
+        self.flat = [torch.empty(size, dtype=dtype, device=device) for _ in range(count if size else 0)]
+
+    def view(self, step: int, rows: int) -> PackedKV:
+        return self.shape.view(self.flat[step % len(self.flat)], rows)
+
+
+class Mail:
+    """The messages of one pass in one direction. Step ``t`` receives rows ``recv_rows[t]``
+    of rank ``r - t``'s shard into one of two inbox slots (``t % 2``; the other one may still
+    be computed with) and sends rows ``send_rows[t]`` of ``own`` to ``r + t``: ``own`` itself
+    when whole (the full ring), else a staged copy. ``reverse`` swaps the two directions
+    (partials go home to ``r - t``)."""
+
+    def __init__(self, spec: RingSpec, own: PackedKV | None, kind: str, shape: KVShape, dtype: torch.dtype,
+                 device: torch.device, reverse: bool = False) -> None:
+        self.spec, self.own, self.kind, self.reverse = spec, own, kind, reverse
+        self.inbound, self.outbound = (spec.send_rows, spec.recv_rows) if reverse else (spec.recv_rows, spec.send_rows)
+        arriving = [_span(r) for r in self.inbound[1:]]
+        self.inbox = _Slots(min(2, sum(map(bool, arriving))), shape, arriving, dtype, device)
+        staged = [_span(r) for r in self.outbound[1:] if r is not None and (own is None or _span(r) != own.rows)]
+        self.stage = _Slots(2 if reverse else 1, shape, staged, dtype, device)
+
+    def received(self, step: int) -> PackedKV | None:
+        """Step ``step``'s message (after its exchange was waited on); None if none arrives."""
+        return None if self.inbound[step] is None else self.inbox.view(step, _span(self.inbound[step]))
+
+    def outgoing(self, step: int) -> PackedKV:
+        """A buffer for step ``step``'s message that the caller fills (the ``reverse`` direction)."""
+        return self.stage.view(step, _span(self.outbound[step]))
+
+    def post(self, step: int, message: PackedKV | None = None) -> PendingExchange | None:
+        """Post step ``step``'s exchange (None when this rank neither sends nor receives)."""
+        if step >= self.spec.world_size or (self.inbound[step] is None and self.outbound[step] is None):
+            return None
+        send = None
+        if self.outbound[step] is not None:
+            send = message
+            if send is None:  # own rows, staged unless whole; the stage's last send was waited on
+                assert self.own is not None  # the forward direction always has its own shard
+                a, b = self.outbound[step]
+                send = self.own if b - a == self.own.rows else self.stage.view(step, b - a)
+                if send is not self.own:
+                    send.k.copy_(self.own.k[:, a:b])
+                    send.v.copy_(self.own.v[:, a:b])
+        recv = self.received(step) if self.inbound[step] is not None else None
+        assert self.spec.comm is not None  # world_size > 1 here
+        return self.spec.comm.exchange(None if send is None else send.buf, None if recv is None else recv.buf,
+                                       self.kind, offset=-step if self.reverse else step)
+
+
+class GatheredKV:
+    """``kv_exchange="all_gather"``: the KV of every step from one all-gather of all ring
+    ranks' packed shards (``R`` x one shard, in the input dtype), posted at construction and
+    waited at the end of step 0, so the own (diagonal) block's compute overlaps it. Same
+    interface as :class:`Mail` in the forward direction."""
+
+    def __init__(self, spec: RingSpec, own: PackedKV) -> None:
+        assert spec.comm is not None  # world_size > 1 here
+        self.spec, self.rows, self.shape = spec, own.rows, KVShape.of(own.k, own.v)
+        self.size = own.buf.numel()
+        self.flat = torch.empty(spec.world_size * self.size, dtype=own.buf.dtype, device=own.buf.device)
+        self.pending: PendingExchange | None = spec.comm.all_gather(self.flat, own.buf, "allgather_kv")
+
+    def received(self, step: int) -> PackedKV | None:
+        """Rows ``recv_rows[step]`` of rank ``r - step``'s shard (the schedule's key slices are
+        relative to them), as views of the gathered buffer; None where the step computes nothing."""
+        rows = self.spec.recv_rows[step]
+        if rows is None:
+            return None
+        source = (self.spec.rank - step) % self.spec.world_size
+        shard = self.shape.view(self.flat[source * self.size:(source + 1) * self.size], self.rows)
+        a, b = rows
+        return PackedKV(shard.buf, shard.k[:, a:b], shard.v[:, a:b])
+
+    def post(self, step: int) -> PendingExchange | None:
+        """The gather, handed out once: the loop waits on it at the end of step 0."""
+        pending, self.pending = self.pending, None
+        return pending
+
+
+def kv_mail(spec: RingSpec, own: PackedKV, shape: KVShape) -> Mail | GatheredKV:
+    """Where the loops get each step's KV: ring messages or the gathered buffer."""
+    return GatheredKV(spec, own) if spec.gather_kv else Mail(spec, own, "ring_kv", shape, own.buf.dtype,
+                                                             own.buf.device)

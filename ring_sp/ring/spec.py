@@ -1,0 +1,104 @@
+"""What the ring loops need besides tensors: :class:`RingSpec` (the ring, the layout, the
+mask, the kernel and the schedule of the whole pass) and :func:`ring_comm_for`.
+
+The layout (and mask) only enters through the schedule, :func:`ring_sp.schedule.exchange_plan`:
+which blocks each step computes and which rows of KV each step receives and sends. With
+documents building it is the costly part of a call, so it is built once per distinct
+problem and reused from the group's :class:`~ring_sp.schedule_cache.ScheduleCache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..comm import PendingExchange, RingComm
+from ..kernels import AttentionKernel
+from ..layouts import Boundaries
+from ..schedule import BlockTask, ExchangePlan, exchange_plan
+from ..schedule_cache import ScheduleCache
+
+
+class RingSpec:
+    """Everything the loops need besides tensors: the ring, the layout, the mask (causal,
+    documents), the kernel."""
+
+    # The function that plans each rank's pass, with :func:`ring_sp.schedule.exchange_plan`'s
+    # signature. A seam for benchmarks, not a user option: ``benchmarks/window.py`` sets it
+    # (:func:`staticmethod`) to a planner that moves every shard at every step, its
+    # full-rotation baseline, and restores it. It is part of the schedule cache key, so the
+    # schedules of two planners never mix.
+    exchange_planner: ClassVar[Callable[..., ExchangePlan]] = staticmethod(exchange_plan)
+
+    def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
+                 local_len: int, cu_seqlens: Boundaries | None = None, window: int | None = None,
+                 ulysses_size: int = 1, schedules: ScheduleCache | None = None,
+                 kv_exchange: str = "ring") -> None:
+        self.comm = comm
+        self.kernel = kernel
+        self.scale = scale
+        self.world_size = comm.world_size if comm is not None else 1
+        self.rank = comm.rank if comm is not None else 0
+        # The whole schedule (forward and backward share it): the KV at step t comes from rank
+        # (rank - t) mod R. With documents this is the costly part, so it is built once per
+        # distinct key and reused by every layer from ``schedules`` (the group's cache). Who
+        # exchanges at step t: this rank receives from r - t iff it computes something, and
+        # sends to r + t iff that rank does (with a window; without one, every step).
+        native = bool(getattr(kernel, "supports_window", False))
+        planner = self.exchange_planner
+        key = (layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window, native, ulysses_size,
+               planner)
+
+        def build() -> tuple:
+            return _ring_schedule(planner, layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
+                                  native, ulysses_size)
+
+        self.schedule, self.recv_rows, self.send_rows = build() if schedules is None else schedules.get(key, build)
+        self.relay_dkv = window is None
+        # all_gather: the KV of every step is a view of one gathered buffer (ring_sp.ring.kv_exchange)
+        self.gather_kv = kv_exchange == "all_gather" and self.world_size > 1
+        # One rank whose blocks never share a query row: nothing to merge, so no fp32
+        # accumulators (the Ulysses-only case; documents give one block per document).
+        self.local = self.world_size == 1 and _rows_disjoint(self.schedule[0])
+
+    def steps(self):
+        """(step, tasks) for every step of the ring."""
+        return enumerate(self.schedule)
+
+    def rotate(self, send: torch.Tensor, recv: torch.Tensor, kind: str) -> PendingExchange:
+        """Neighbour exchange (the relayed dK/dV accumulator): send -> rank + 1, recv <- rank - 1."""
+        assert self.comm is not None  # only called when world_size > 1
+        return self.comm.exchange(send, recv, kind)
+
+
+def _ring_schedule(planner: Callable[..., ExchangePlan], layout: str, causal: bool, rank: int, world_size: int,
+                   local_len: int, cu_seqlens: Boundaries | None, window: int | None, native_window: bool,
+                   ulysses_size: int) -> tuple:
+    """(schedule, recv_rows, send_rows) of :class:`RingSpec` (see :func:`ring_sp.schedule.exchange_plan`)."""
+    plan = planner(layout, causal, rank, world_size, local_len, cu_seqlens, window, native_window,
+                   ulysses_size=ulysses_size)
+    # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
+    schedule = tuple(
+        tasks if step == 0 or not tasks or plan.recv_rows[step][0] == 0
+        else tuple(_kv_shifted(t, -plan.recv_rows[step][0]) for t in tasks)
+        for step, tasks in enumerate(plan.schedule)
+    )
+    return schedule, plan.recv_rows, plan.send_rows
+
+
+def _kv_shifted(task: BlockTask, offset: int) -> BlockTask:
+    return BlockTask(task.q, slice(task.kv.start + offset, task.kv.stop + offset), task.causal, task.window)
+
+
+def _rows_disjoint(tasks: tuple[BlockTask, ...]) -> bool:
+    spans = sorted((t.q.start, t.q.stop) for t in tasks)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def ring_comm_for(group: dist.ProcessGroup | None) -> RingComm | None:
+    """The ring over ``group`` (None = default group), or None for a ring of one rank."""
+    comm = RingComm(group)
+    return comm if comm.world_size > 1 else None

@@ -1,0 +1,28 @@
+"""Which (query part, key part, mask) blocks a ring rank computes at each step, and which KV
+rows each step exchanges: pure functions of the layout, the mask and the two ranks, kept
+apart from the ring loops (:mod:`ring_sp.ring`) so they can be tested exhaustively without
+processes. :mod:`.blocks` holds the block type and the plain layouts' steps,
+:mod:`.documents` cuts them per packed document (``cu_seqlens``), :mod:`.windows` per
+sliding window, and :mod:`.ring_pass` puts a rank's whole pass together (the step
+dispatcher, the work per rank and the :class:`ExchangePlan` the ring runs).
+"""
+
+from .blocks import BlockTask, interval_blocks, ring_step_tasks
+from .documents import document_zigzag_steps, packed_step_tasks
+from .ring_pass import ExchangePlan, Rows, causal_work_per_rank, exchange_plan, step_tasks
+from .windows import band_blocks, window_step_tasks
+
+__all__ = [
+    "BlockTask",
+    "ExchangePlan",
+    "Rows",
+    "band_blocks",
+    "causal_work_per_rank",
+    "document_zigzag_steps",
+    "exchange_plan",
+    "interval_blocks",
+    "packed_step_tasks",
+    "ring_step_tasks",
+    "step_tasks",
+    "window_step_tasks",
+]

@@ -6,7 +6,8 @@ Importing this package has no side effects: no process groups, no CUDA, no flash
 from .attention import hybrid_attention, ring_attention, ulysses_attention
 from .comm import count_communication
 from .data import IGNORE_INDEX, document_positions, pad_documents, shard_batch, shift_labels
-from .layouts import LAYOUTS, gather_sequence, layout_positions, shard_sequence, unshard_sequence
+from .layouts import LAYOUTS, layout_positions
+from .sequence_shards import gather_sequence, shard_sequence, unshard_sequence
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss
 from .module import SequenceParallelAttention
 from .topology import PLACEMENTS, SequenceParallelTopology, init_sequence_parallel, rank_grid

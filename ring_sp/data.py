@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .layouts import Boundaries, as_boundaries, check_boundaries, check_layout, padded_length, shard_sequence
+from .layouts import Boundaries, as_boundaries, check_boundaries, check_layout, padded_length
+from .sequence_shards import shard_sequence
 
 IGNORE_INDEX = -100
 

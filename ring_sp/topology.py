@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .data import shard_batch
 from .grid import PLACEMENTS, Coordinates, RankGrid, check_sizes, rank_grid
-from .layouts import gather_sequence, shard_sequence
+from .sequence_shards import gather_sequence, shard_sequence
 
 @dataclass(frozen=True)
 class SequenceParallelTopology:

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ring_sp
-from ring_sp.layouts import (layout_positions, layout_unit, padded_length, ring_positions, shard_sequence,
-                             ulysses_to_ring_order, unshard_sequence)
+from ring_sp.layouts import layout_positions, layout_unit, padded_length, ring_positions, ulysses_to_ring_order
+from ring_sp.sequence_shards import shard_sequence, unshard_sequence
 from ring_sp.schedule import causal_work_per_rank, ring_step_tasks, step_tasks
 
 PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)

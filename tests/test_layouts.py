@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ring_sp.layouts import layout_positions, shard_sequence, ulysses_to_ring_order, unshard_sequence
+from ring_sp.layouts import layout_positions, ulysses_to_ring_order
+from ring_sp.sequence_shards import shard_sequence, unshard_sequence
 
 PLAIN = ("contiguous", "zigzag", "striped")  # the layouts that need no documents
 

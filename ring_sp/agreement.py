@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .kernels import BACKENDS
 from .layouts import LAYOUTS
-from .validation import KV_EXCHANGES
+from .validation import BACKENDS, KV_EXCHANGES
 
 ENV_FLAG = "RING_SP_VALIDATE"
 _CACHE_SIZE = 4096

@@ -12,10 +12,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from .kernels import BACKENDS
 from .layouts import LAYOUTS
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# The local attention backends a call may name (ring_sp.kernels runs them).
+BACKENDS = ("auto", "torch", "flash_attn", "reference")
 # How the ring group exchanges KV: rotate it (the ring), gather it once, or the planner's choice.
 KV_EXCHANGES = ("ring", "all_gather", "auto")
 

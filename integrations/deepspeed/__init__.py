@@ -12,7 +12,10 @@ sequence parallelism on.
 Importing this package imports neither DeepSpeed nor anything that communicates; the
 config part (:class:`RingSPConfig`) works without DeepSpeed installed. On CPU ranks nothing
 here lets DeepSpeed JIT-compile a C++ op (:func:`skip_cpu_inference_comm_build`, applied
-wherever this package starts DeepSpeed's comm).
+wherever this package starts DeepSpeed's comm). It builds on
+:mod:`ring_sp.integrations.transformers` (the registration and the long-sequence switch),
+never the other way round; the ZeRO-stage table both packages' losses read is
+:mod:`ring_sp.integrations.gradient_reduction`.
 """
 
 from .config import SECTION, RingSPConfig

@@ -21,6 +21,7 @@ from ring_sp import SequenceParallelAttention, SequenceParallelTopology, init_se
 
 from ring_sp.integrations.transformers.attention import registration, uses_ring_sp  # imports no transformers
 from ring_sp.integrations.transformers.features import forbid_labels
+from ring_sp.integrations.transformers.long_sequence import enable_long_sequence  # imports no transformers
 from ring_sp.integrations.versions import require_supported
 
 from .config import SECTION, RingSPConfig
@@ -255,8 +256,6 @@ def _enable_long_sequence(model: torch.nn.Module, sp: RingSPConfig) -> None:
     example) takes them itself; any other is a Hugging Face causal LM
     (``ring_sp.integrations.transformers.enable_long_sequence``). Errors name the config keys.
     """
-    from ring_sp.integrations.transformers.long_sequence import enable_long_sequence
-
     own = getattr(model, "enable_long_sequence", None)
     try:
         if callable(own):

@@ -1,18 +1,9 @@
 """The training loss under DeepSpeed's gradient reduction, which depends on the ZeRO stage.
 
-Each SP rank back-propagates through every other rank's attention, so the exact gradient
-of the global loss is the SUM of the SP ranks' gradients (see :mod:`ring_sp.loss`).
-DeepSpeed 0.19, told the sequence-parallel size by the mpu, reduces over all ``DP x SP``
-ranks and then
-
-* ZeRO 0, 1, 2 divide by ``DP`` only (engine ``_reduce_non_expert_gradients``; ZeRO 1/2
-  ``average_tensor``, ``gradient_reduction_w_predivide``, ``allreduce_bucket``): a sum over
-  SP, so the loss backward must not be scaled (``gradients_averaged_over_sp=False``);
-* ZeRO 3 divides by ``DP x SP`` (``__avg_scatter_grads`` -> ``reduce_scatter_coalesced``,
-  its default path with ``reduce_scatter: true``): an average over SP, which ring_sp's
-  ``gradients_averaged_over_sp=True`` cancels.
-
-:func:`gradients_averaged_over_sp` encodes that table and the tests prove each row.
+:func:`cross_entropy` scales its backward by the table of
+:mod:`ring_sp.integrations.gradient_reduction` (re-exported here as
+:func:`gradients_averaged_over_sp`): ZeRO 0-2 sum gradients over SP, ZeRO 3 averages them.
+:func:`evaluation_loss` is the exact loss over an evaluation set.
 """
 
 from __future__ import annotations
@@ -25,15 +16,7 @@ import torch.distributed as dist
 
 from ring_sp import SequenceParallelTopology, sequence_parallel_cross_entropy
 from ring_sp.data import IGNORE_INDEX
-
-
-def gradients_averaged_over_sp(engine: Any) -> bool:
-    """Whether ``engine`` (from ``ring_sp.integrations.deepspeed.initialize``) averages gradients over SP.
-
-    Pass it as ``gradients_averaged_over_sp=`` to :func:`ring_sp.sequence_parallel_loss` or
-    :func:`ring_sp.sequence_parallel_cross_entropy` for a custom loss.
-    """
-    return engine.zero_optimization_stage() == 3
+from ring_sp.integrations.gradient_reduction import gradients_averaged_over_sp
 
 
 def _engine_topology(engine: Any) -> SequenceParallelTopology:

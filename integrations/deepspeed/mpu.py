@@ -6,7 +6,7 @@ DeepSpeed 0.19 asks an ``mpu`` for its groups (``deepspeed.utils.groups`` and th
   optimizer state over it and averages gradients over it; here all ``DP x SP`` ranks.
 * ``get_sequence_parallel_world_size``: DeepSpeed then divides the reduced gradients by
   ``DP x SP / SP = DP``, i.e. SUMS over the SP ranks and averages over DP (see
-  :mod:`ring_sp.integrations.deepspeed.loss` for what that means for the loss).
+  :mod:`ring_sp.integrations.gradient_reduction` for what that means for the loss).
 * ``get_data_parallel_world_size`` / ``_rank``: batch-size arithmetic and DeepSpeed's data
   loader, so the ranks of one SP group read the same samples.
 * model / tensor / pipeline parallel: there is none, so size 1 and a one-rank group. The

@@ -14,7 +14,8 @@
   TransformerEngine; :class:`RingSPCoreAttention` takes its ``PackedSeqParams``.
 
 Importing this package does not import megatron and has no side effects: the names that
-need megatron-core load their module on first use (PEP 562 ``__getattr__``).
+need megatron-core load their module on first use (PEP 562 ``__getattr__``). Of the other
+integrations it uses :mod:`ring_sp.integrations.versions` alone.
 """
 
 from __future__ import annotations
@@ -24,25 +25,31 @@ from typing import Any
 
 from .arguments import add_ring_sp_args, megatron_lm_args, ring_sp_config_from_args, validate_ring_sp_args
 from .config import RingSPConfig, unpacked_layout
+from .cpu import ddp_buffers_on_cpu
+from .packed import thd_batch_on_this_cp_rank
+from .rope import LayoutRotaryEmbedding, install_layout_rope
+from .topology import topology_from_parallel_state
 
+# the names whose modules import megatron-core at their top: loaded on first use (an
+# optional third-party package, not a circle)
 _LAZY = {
     "RingSPCoreAttention": ".core_attention",
     "get_gpt_layer_ring_sp_spec": ".spec",
     "megatron_lm_layer_spec": ".spec",
     "replace_core_attention": ".spec",
-    "topology_from_parallel_state": ".topology",
-    "LayoutRotaryEmbedding": ".rope",
-    "install_layout_rope": ".rope",
-    "ddp_buffers_on_cpu": ".cpu",
-    "thd_batch_on_this_cp_rank": ".packed",
 }
 
 __all__ = [
+    "LayoutRotaryEmbedding",
     "RingSPConfig",
     "add_ring_sp_args",
+    "ddp_buffers_on_cpu",
     "gpt_layer_ring_sp_spec",
+    "install_layout_rope",
     "megatron_lm_args",
     "ring_sp_config_from_args",
+    "thd_batch_on_this_cp_rank",
+    "topology_from_parallel_state",
     "unpacked_layout",
     "validate_ring_sp_args",
     *_LAZY,
@@ -53,6 +60,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
     elif name == "gpt_layer_ring_sp_spec":
+        # deferred like megatron itself: .spec imports megatron-core at its top (no circle)
         from .spec import megatron_lm_layer_spec
 
         value = megatron_lm_layer_spec()

@@ -159,6 +159,7 @@ def install_layout_rope(model: nn.Module, *, layout: str = "zigzag", device: tor
     """
     from megatron.core.transformer.attention import Attention
 
+    # deferred like megatron itself: .core_attention imports megatron-core at its top (no circle)
     from .core_attention import RingSPCoreAttention
 
     rotary = getattr(model, "rotary_pos_emb", None)

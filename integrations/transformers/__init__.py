@@ -22,7 +22,9 @@
   generation with a KV cache; ``generate()`` on more than one SP rank raises before the
   prefill: ``model.set_attn_implementation("sdpa")`` for it and back to ``"ring_sp"``).
 
-Importing this package does not import transformers: :func:`register` does.
+Importing this package does not import transformers: :func:`register` does. Nor does it
+import :mod:`ring_sp.integrations.deepspeed`, which builds on it; the Trainer under DeepSpeed
+(:mod:`.trainer`, with :mod:`.trainer_setup`) stands on both and is imported on its own.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@
   layer keeps lives in host memory (:mod:`ring_sp.offload`).
 
 Anything the tiling does not know (an MLP or head of another structure) is an error naming
-the module and the switch to turn off; nothing falls back silently.
+the module and the switch to turn off; nothing falls back silently. The module classes and
+their checks are :mod:`.tiled_modules`; this module is the switch and the loss step.
 """
 
 from __future__ import annotations
@@ -35,16 +36,12 @@ from torch import nn
 from ring_sp import sequence_parallel_loss
 from ring_sp.data import IGNORE_INDEX
 from ring_sp.offload import OffloadedCheckpoint
-from ring_sp.tiling import check_tile_tokens, tiled_linear_cross_entropy, tiled_map
+from ring_sp.tiling import check_tile_tokens
 
 from .loss import loss_reduction
-
-# MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (transformers 5.18)
-GATED_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
-                        "Olmo2MLP"})
-# model types whose causal-LM forward is ``logits = lm_head(hidden)`` (+ final_logit_softcapping), nothing else
-PLAIN_HEADS = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "olmo2", "gpt_oss"})
-_MOE_MLPS = {"GptOssMLP": "gpt-oss's mixture-of-experts block"}
+# the modules the step rewrites; GATED_MLPS and PLAIN_HEADS are re-exported
+from .tiled_modules import (GATED_MLPS, PLAIN_HEADS, LossRequest, TiledGatedMLP, TiledHead, check_head, check_mlp,
+                            decoder_layers, decoder_mlps, mix, unmix)
 
 
 @dataclass(frozen=True)
@@ -74,135 +71,6 @@ def _unwrap(model: Any) -> nn.Module:
     return model
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(getattr(model, "base_model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no decoder layers at model.base_model.layers, so ring_sp cannot "
-                         f"find its MLPs; pass tiled_mlp=False")
-    return layers
-
-
-# ---------------------------------------------------------------- tiled MLP
-
-def _gated_mlp(x: torch.Tensor, act: nn.Module, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
-               gate_b: torch.Tensor | None, up_b: torch.Tensor | None, down_b: torch.Tensor | None) -> torch.Tensor:
-    """A gated MLP on one tile ``[t, H] -> [t, H]``, as the HF classes in :data:`GATED_MLPS` compute it."""
-    return F.linear(act(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
-
-
-class _TiledGatedMLP:
-    """Mixed into a gated MLP's class: its forward over token tiles (see :func:`ring_sp.tiling.tiled_map`)."""
-
-    ring_sp_tile_tokens: int
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        linears = (self.gate_proj, self.up_proj, self.down_proj)
-        params = [lin.weight for lin in linears] + [lin.bias for lin in linears]
-        act = self.act_fn
-        return tiled_map(lambda tile, *p: _gated_mlp(tile, act, *p), x, params, tile_tokens=self.ring_sp_tile_tokens)
-
-
-def _check_mlp(name: str, mlp: nn.Module) -> None:
-    """Raise unless ``mlp`` is a gated MLP this module knows (by class and structure)."""
-    cls = type(mlp).__name__
-    if isinstance(mlp, _TiledGatedMLP):
-        return
-    if cls in _MOE_MLPS:
-        raise ValueError(f"{name} is a {cls} ({_MOE_MLPS[cls]}), which ring_sp does not tile; pass tiled_mlp=False "
-                         f"(its experts run untiled)")
-    structure = all(type(getattr(mlp, key, None)) is nn.Linear for key in ("gate_proj", "up_proj", "down_proj"))
-    if cls not in GATED_MLPS or not structure or not isinstance(getattr(mlp, "act_fn", None), nn.Module):
-        raise ValueError(
-            f"{name} is a {cls}, which ring_sp's tiled MLP does not know (it tiles {sorted(GATED_MLPS)} with plain "
-            f"nn.Linear gate_proj/up_proj/down_proj and an act_fn module); pass tiled_mlp=False"
-        )
-
-
-def _mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    found = []
-    for i, layer in enumerate(_decoder_layers(model)):
-        mlp = getattr(layer, "mlp", None)
-        if not isinstance(mlp, nn.Module):
-            raise ValueError(f"decoder layer {i} ({type(layer).__name__}) has no .mlp module for ring_sp to tile; "
-                             f"pass tiled_mlp=False")
-        found.append((f"model.base_model.layers[{i}].mlp", mlp))
-    return found
-
-
-_MIXED: dict[tuple[type, type], type] = {}
-
-
-def _mix(module: nn.Module, mixin: type) -> None:
-    """Give ``module`` the class ``mixin + its class`` (one class per pair, so copies and isinstance work)."""
-    cls = type(module)
-    if isinstance(module, mixin):
-        return
-    key = (mixin, cls)
-    if key not in _MIXED:
-        _MIXED[key] = type(f"RingSPTiled{cls.__name__}", (mixin, cls), {"__module__": __name__})
-    module.__class__ = _MIXED[key]
-
-
-def _unmix(module: nn.Module) -> None:
-    """Undo :func:`_mix`: the class it was built from (``mixin + cls`` -> ``cls``)."""
-    module.__class__ = module.__class__.__bases__[1]
-
-
-# ---------------------------------------------------------------- tiled head + loss
-
-@dataclass
-class _LossRequest:
-    """What :func:`model_loss` asks the head for during one forward."""
-
-    labels: torch.Tensor
-    softcap: float | None
-    tile_tokens: int
-    ignore_index: int
-    loss_sum: torch.Tensor | None = None
-    output: torch.Tensor | None = None  # the head's output after every forward hook (ZeRO-3 wraps it there)
-    calls: int = 0
-
-
-class _TiledHead:
-    """Mixed into the LM head (an ``nn.Linear``): inside :func:`model_loss` it returns the tiled loss sum."""
-
-    ring_sp_request: _LossRequest | None = None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        request = self.ring_sp_request
-        if request is None:
-            if torch.is_grad_enabled() and self.training and hidden.requires_grad:
-                # a training forward outside model_loss would build the full logits: say so, never fall back
-                raise RuntimeError(
-                    "this model has tiled_loss=True (enable_long_sequence / the ring_sp section), so a training forward "
-                    "must take its loss from ring_sp.integrations.transformers.model_loss(model, shard, ...), which "
-                    "never builds the full logits; or switch it off with tiled_loss=False"
-                )
-            return super().forward(hidden)  # logits, as before (generation and evaluation run without grad)
-        request.calls += 1
-        if hidden.shape[:-1] != request.labels.shape:
-            raise ValueError(f"the LM head got hidden states {tuple(hidden.shape)} but the shard's shift_labels are "
-                             f"{tuple(request.labels.shape)}; do not pass logits_to_keep to model_loss")
-        request.loss_sum = tiled_linear_cross_entropy(hidden, self.weight, request.labels, bias=self.bias,
-                                                      tile_tokens=request.tile_tokens,
-                                                      ignore_index=request.ignore_index, softcap=request.softcap)
-        # returned as the head's output so hooks on the head (ZeRO-3's re-gather before its backward) see it
-        return request.loss_sum
-
-
-def _check_head(model: nn.Module) -> nn.Linear:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in PLAIN_HEADS or not isinstance(head, nn.Linear) or not (
-            type(head) is nn.Linear or isinstance(head, _TiledHead)):
-        raise ValueError(
-            f"ring_sp's tiled loss does not know the LM head of {type(model).__name__} (model_type={model_type!r}, "
-            f"head {type(head).__name__}): it tiles a plain nn.Linear head of model types {sorted(PLAIN_HEADS)}; "
-            f"pass tiled_loss=False"
-        )
-    return head
-
-
 # ---------------------------------------------------------------- the switch
 
 def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = True,
@@ -223,21 +91,21 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
                         ("offload_checkpoints", offload_checkpoints)):
         _check_flag(name, value)
     tile = check_tile_tokens(tile_tokens)
-    mlps = _mlps(module) if tiled_mlp else []
+    mlps = decoder_mlps(module) if tiled_mlp else []
     for name, mlp in mlps:
-        _check_mlp(name, mlp)
-    head = _check_head(module) if tiled_loss else None
+        check_mlp(name, mlp)
+    head = check_head(module) if tiled_loss else None
     if offload_checkpoints:
         _check_checkpointing(module)
     # everything checked: now change the modules
     for _, mlp in mlps:
-        _mix(mlp, _TiledGatedMLP)
+        mix(mlp, TiledGatedMLP)
         mlp.ring_sp_tile_tokens = tile
     for sub in module.modules():  # switched off again: back to the HF classes
-        if (isinstance(sub, _TiledGatedMLP) and not tiled_mlp) or (isinstance(sub, _TiledHead) and not tiled_loss):
-            _unmix(sub)
+        if (isinstance(sub, TiledGatedMLP) and not tiled_mlp) or (isinstance(sub, TiledHead) and not tiled_loss):
+            unmix(sub)
     if head is not None:
-        _mix(head, _TiledHead)
+        mix(head, TiledHead)
     module.ring_sp_long_sequence = LongSequenceConfig(tiled_mlp, tiled_loss, offload_checkpoints, tile)
     if offload_checkpoints:
         _install_offload(module)
@@ -267,7 +135,7 @@ def _install_offload(module: nn.Module) -> None:
     offloader = getattr(module, "ring_sp_offloader", None)
     if offloader is None:
         offloader = module.ring_sp_offloader = OffloadedCheckpoint()
-    for layer in _decoder_layers(module):
+    for layer in decoder_layers(module):
         if getattr(layer, "_gradient_checkpointing_func", None) is not offloader:
             layer._gradient_checkpointing_func = offloader
 
@@ -275,7 +143,7 @@ def _install_offload(module: nn.Module) -> None:
 # ---------------------------------------------------------------- the loss
 
 @contextlib.contextmanager
-def _head_request(head: nn.Module, request: _LossRequest) -> Iterator[_LossRequest]:
+def _head_request(head: nn.Module, request: LossRequest) -> Iterator[LossRequest]:
     head.ring_sp_request = request
     # registered last, so it sees the output other hooks returned: ZeRO-3 wraps it in the
     # function that re-gathers the head's weight before its backward
@@ -310,9 +178,9 @@ def shard_loss_sum(model: Any, inputs: Mapping[str, Any], shift_labels: torch.Te
         loss_sum = F.cross_entropy(logits.flatten(0, -2).float(), shift_labels.flatten(), ignore_index=ignore_index,
                                    reduction="sum")
         return loss_sum, outputs
-    head = _check_head(module)
+    head = check_head(module)
     softcap = getattr(module.config, "final_logit_softcapping", None)
-    request = _LossRequest(shift_labels, softcap, config.tile_tokens, ignore_index)
+    request = LossRequest(shift_labels, softcap, config.tile_tokens, ignore_index)
     with _head_request(head, request):
         outputs = model(**inputs)
     if request.calls != 1 or not isinstance(request.output, torch.Tensor) or request.output.dim() != 0:

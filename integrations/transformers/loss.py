@@ -5,7 +5,8 @@ over the SP ranks is wrong whenever ranks hold different numbers of valid tokens
 documents, ignored labels). :func:`causal_lm_loss` is the token mean over the whole SP
 group, with the backward scaled for the gradient reduction in use (see
 :mod:`ring_sp.loss` for the convention; the DeepSpeed table is
-:func:`ring_sp.integrations.deepspeed.gradients_averaged_over_sp`).
+:func:`ring_sp.integrations.gradient_reduction.gradients_averaged_over_sp`, shared with
+:mod:`ring_sp.integrations.deepspeed`, which builds on this module and so is not imported here).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from ring_sp import SequenceParallelTopology, sequence_parallel_cross_entropy
 from ring_sp.data import IGNORE_INDEX
+from ring_sp.integrations.gradient_reduction import gradients_averaged_over_sp as averaged_by
 
 
 def causal_lm_loss(
@@ -67,8 +69,6 @@ def loss_reduction(*, engine: Any = None, topology: SequenceParallelTopology | N
         engine_topology = getattr(engine, "ring_sp_topology", None)
         if engine_topology is None:
             return None
-        from ring_sp.integrations.deepspeed import gradients_averaged_over_sp as averaged_by
-
         return engine_topology.sp_group, averaged_by(engine)
     if topology is None:
         if gradients_averaged_over_sp is not None:

@@ -20,14 +20,13 @@ from __future__ import annotations
 import torch
 
 from ..shapes import softmax_stat_dtype
+from ..validation import BACKENDS
 from . import flash_attn, torch_cpu, torch_cuda
 from .base import AttentionKernel
 from .flash_attn import FlashAttnKernel
 from .reference import ReferenceKernel
 from .torch_cpu import TorchCPUKernel
 from .torch_cuda import TorchCUDAKernel
-
-BACKENDS = ("auto", "torch", "flash_attn", "reference")
 
 __all__ = ["AttentionKernel", "BACKENDS", "get_kernel", "softmax_stat_dtype", "unavailable_reason"]
 

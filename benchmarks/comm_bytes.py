@@ -3,7 +3,7 @@
 ring_sp's own calls are counted by :func:`ring_sp.count_communication`. DeepSpeed's
 all-to-alls go through ``torch.distributed.all_to_all_single``, which
 :func:`count_all_to_all` wraps for the block, counting what leaves the rank
-(``(P-1)/P`` of each input). The formula is the planner's :func:`ring_sp.planner.layer_bytes`.
+(``(P-1)/P`` of each input). The formula is the planner's :func:`ring_sp.plan.layer_bytes`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from ring_sp.planner import layer_bytes
+from ring_sp.plan import layer_bytes
 
 
 @contextlib.contextmanager

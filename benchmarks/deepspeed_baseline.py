@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ring_sp.integrations.deepspeed import skip_cpu_inference_comm_build
+
 
 def deepspeed_ulysses(group: dist.ProcessGroup, local_attention: nn.Module) -> Callable[..., torch.Tensor]:
     """``attend(q, k, v) -> out`` over ``group`` with DeepSpeed's all-to-alls."""
     import deepspeed.comm
     from deepspeed.sequence.layer import DistributedAttention
-
-    from ring_sp.integrations.deepspeed import skip_cpu_inference_comm_build
 
     if not deepspeed.comm.is_initialized():  # wraps the torch.distributed world already running
         skip_cpu_inference_comm_build()  # on CPU the comm would JIT-compile a C++ op

@@ -5,7 +5,7 @@ exchanges take turns call by call on identical shards, the order flipped every r
 change in the machine's load hits both alike. Reported per shape: the median over rounds of
 the slowest rank's forward and forward+backward seconds, their ratio (all_gather / ring;
 < 1: gathering is faster), the largest difference of the two outputs, and whether the bytes
-:func:`ring_sp.count_communication` counted equal :func:`ring_sp.planner.layer_bytes`.
+:func:`ring_sp.count_communication` counted equal :func:`ring_sp.plan.layer_bytes`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 import ring_sp
-from ring_sp.planner import layer_bytes
+from ring_sp.plan import layer_bytes
 
 from .launch import Launcher, device, sp_group
 from .modes import Problem
-from .report import _table
+from .tables import MiB, select, table
 from .timing import step_time, time_call
 
 Record = dict[str, Any]
@@ -93,18 +93,18 @@ def kv_exchange(run: Launcher, cfg: Any, log: Callable[[str], None]) -> list[Rec
 
 
 def kv_exchange_table(records: list[Record]) -> list[str]:
-    rows = [r for r in records if r["section"] == "kv_exchange"]
+    rows = select(records, "kv_exchange")
     if not rows:
         return []
     body = [[f"{r['world_size']}", f"{r['heads']}/{r['kv_heads']}", f"{r['seq_len']}",
              f"{r['ring_fwd_s'] * 1e3:.1f} / {r['ring_fwd_bwd_s'] * 1e3:.1f}",
              f"{r['all_gather_fwd_s'] * 1e3:.1f} / {r['all_gather_fwd_bwd_s'] * 1e3:.1f}",
              f"**{r['ratio_fwd']:.3f} / {r['ratio_fwd_bwd']:.3f}**",
-             f"{r['ring_bytes'] / 2**20:.2f} / {r['all_gather_bytes'] / 2**20:.2f}",
+             f"{r['ring_bytes'] / MiB:.2f} / {r['all_gather_bytes'] / MiB:.2f}",
              "yes" if r["ring_bytes_match"] and r["all_gather_bytes_match"] else "**no**", f"{r['out_diff']:.1e}"]
             for r in rows]
     return (["`kv_exchange=\"all_gather\"` against the ring (zigzag, causal; medians of interleaved rounds, slowest "
              "rank), ms forward / forward+backward; ratio all_gather / ring (< 1: gathering is faster); MiB sent "
              "per rank fwd+bwd, ring / all_gather, and whether the counted bytes equal the planner's formula:", ""]
-            + _table(["P", "q/kv heads", "N", "ring ms", "all_gather ms", "ratio", "MiB ring / ag", "bytes = formula",
+            + table(["P", "q/kv heads", "N", "ring ms", "all_gather ms", "ratio", "MiB ring / ag", "bytes = formula",
                       "max |out diff|"], body))

@@ -30,11 +30,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from ring_sp.step_memory import StepMemory, Training, Transformer, max_seq_len, step_memory
+import ring_sp
+import ring_sp.integrations.transformers as rsp_hf
+from ring_sp.integrations.deepspeed import skip_cpu_inference_comm_build
+from ring_sp.plan.step_memory import StepMemory, Training, Transformer, max_seq_len, step_memory
 
 from .launch import Launcher, PoolLauncher, TorchrunLauncher, device, sp_group
 from .memory import PeakMemory
+from .tables import table
 
 VOCAB = 32768
 
@@ -84,9 +90,6 @@ def _model(config, attn: str):
 
 def _ring_sp_step(mode: LengthMode, config, batch: dict[str, torch.Tensor], tile_tokens: int | None, topo=None):
     """(model, loss function) of ring_sp on a ``mode.ulysses x R`` grid (``topo``: reuse one)."""
-    import ring_sp
-    import ring_sp.integrations.transformers as rsp_hf
-
     if topo is None:
         p = torch.distributed.get_world_size(sp_group())
         topo = ring_sp.init_sequence_parallel(mode.ulysses, p // mode.ulysses)
@@ -109,11 +112,7 @@ def _alst_step(mode: LengthMode, config, batch: dict[str, torch.Tensor], loss_ti
     """DeepSpeed ALST as its tutorial wires it into an HF model, without a DeepSpeed engine
     (the step's memory is the model's; every mode here uses a plain AdamW)."""
     import deepspeed.comm
-    import torch.distributed as dist
-    import torch.nn.functional as F
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF
-
-    from examples.common.deepspeed_cpu import skip_cpu_inference_comm_build
 
     skip_cpu_inference_comm_build()
     if not deepspeed.comm.is_initialized():
@@ -159,8 +158,6 @@ def _alst_step(mode: LengthMode, config, batch: dict[str, torch.Tensor], loss_ti
 
 
 def _single_step(config, batch: dict[str, torch.Tensor]):
-    import ring_sp.integrations.transformers as rsp_hf
-
     model = _model(config, "sdpa")
     shard = rsp_hf.shard_batch(batch, None)
     return model, lambda: rsp_hf.causal_lm_loss(model(**shard).logits, shard["shift_labels"])
@@ -219,8 +216,6 @@ def length_case(mode: LengthMode, seq_len: int, tile_tokens: int | None, loss_ti
 def step_time_case(seq_len: int, tile_tokens: int | None, rounds: int, layers: int = 2) -> dict[str, list[float]]:
     """Seconds of one training step (forward, loss, backward, AdamW) of ring_sp untiled and
     tiled at U2xR2, the same model and batch, alternating step by step (``rounds`` each)."""
-    import ring_sp
-
     torch.set_num_threads(1)
     p = torch.distributed.get_world_size(sp_group())
     topo = ring_sp.init_sequence_parallel(UNTILED.ulysses, p // UNTILED.ulysses)
@@ -260,7 +255,7 @@ PROCESS_BYTES = 2**29  # a rank's interpreter, torch and transformers, beyond it
 
 
 def training_of(mode: LengthMode, cfg: LengthConfig) -> tuple[Training, int, int]:
-    """How ``ring_sp.step_memory`` describes ``mode`` (fp32, no ZeRO, AdamW, the benchmark's
+    """How ``ring_sp.plan.step_memory`` describes ``mode`` (fp32, no ZeRO, AdamW, the benchmark's
     tile sizes), and its grid (U, R)."""
     ranks = mode.world_size(cfg.sp)
     ours = mode.kind != "alst"
@@ -273,7 +268,7 @@ def training_of(mode: LengthMode, cfg: LengthConfig) -> tuple[Training, int, int
 
 
 def predict(mode: LengthMode, seq_len: int, cfg: LengthConfig | None = None) -> StepMemory:
-    """``ring_sp.step_memory``'s peak per rank for ``mode`` on :data:`SMALL_LLAMA`."""
+    """``ring_sp.plan.step_memory``'s peak per rank for ``mode`` on :data:`SMALL_LLAMA`."""
     training, u, r = training_of(mode, cfg or LengthConfig())
     return step_memory(SMALL_LLAMA, training, seq_len=seq_len, ulysses=u, ring=r)
 
@@ -356,10 +351,7 @@ def markdown(records: list[dict[str, Any]], lc: LengthConfig | None = None) -> s
     seq_lens = sorted({r["seq_len"] for r in rows})
     cell = {(r["mode"], r["seq_len"]): r for r in rows}
     mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
-    out = ["Peak memory per rank of one training step, MiB (parameters, gradients and AdamW state, "
-           f"{mib(rows[0].get('resident_bytes', 0) or predict(SINGLE, 1024, lc).params * 4)} MiB, included; "
-           "in brackets the planner's prediction):", "",
-           "| mode | " + " | ".join(f"N={n:,}" for n in seq_lens) + " |", "|---|" + "---|" * len(seq_lens)]
+    body = []
     for mode in LENGTH_MODES:
         cells = []
         for n in seq_lens:
@@ -370,13 +362,17 @@ def markdown(records: list[dict[str, Any]], lc: LengthConfig | None = None) -> s
                 cells.append(f"skipped ({mib(r['predicted_bytes'])} predicted)")
             else:
                 cells.append(r.get("error", "-"))
-        out.append(f"| {mode.name} | " + " | ".join(cells) + " |")
-    out += ["", "Growth per token between measured lengths, bytes of peak per rank per token of N:", "",
-            "| mode | interval | bytes / token |", "|---|---|---|"]
+        body.append([mode.name] + cells)
+    out = ["Peak memory per rank of one training step, MiB (parameters, gradients and AdamW state, "
+           f"{mib(rows[0].get('resident_bytes', 0) or predict(SINGLE, 1024, lc).params * 4)} MiB, included; "
+           "in brackets the planner's prediction):", ""] + table(["mode"] + [f"N={n:,}" for n in seq_lens], body)
+    body = []
     for mode in LENGTH_MODES:
         measured = [(n, _total(cell[mode.name, n])) for n in seq_lens if "peak_bytes" in cell.get((mode.name, n), {})]
-        for (n0, b0), (n1, b1) in zip(measured, measured[1:]):
-            out.append(f"| {mode.name} | {n0:,} -> {n1:,} | {(b1 - b0) / (n1 - n0):,.1f} |")
+        body += [[mode.name, f"{n0:,} -> {n1:,}", f"{(b1 - b0) / (n1 - n0):,.1f}"]
+                 for (n0, b0), (n1, b1) in zip(measured, measured[1:])]
+    out += ["", "Growth per token between measured lengths, bytes of peak per rank per token of N:", ""]
+    out += table(["mode", "interval", "bytes / token"], body)
     spreads = []
     for n in seq_lens:
         losses = [r["loss"] for r in rows if r["seq_len"] == n and "loss" in r]
@@ -384,23 +380,24 @@ def markdown(records: list[dict[str, Any]], lc: LengthConfig | None = None) -> s
             spreads.append(f"N={n:,}: {max(losses) - min(losses):.1e} over {len(losses)} modes")
     out += ["", "Losses, largest difference between modes: " + "; ".join(spreads) + "."]
     worst = max((abs(r["predicted_bytes"] / _total(r) - 1) for r in rows if "peak_bytes" in r), default=0.0)
-    out += ["", f"Planner (`ring_sp.step_memory`) against every measured point: largest error {100 * worst:.1f}%."]
+    out += ["", f"Planner (`ring_sp.plan.step_memory`) against every measured point: largest error {100 * worst:.1f}%."]
     timing = [r for r in records if r["section"] == "length_timing"]
     for t in timing:
         steps = ", ".join(f"{name} {sec:.2f} s" for name, sec in t["step_s"].items())
         out += ["", f"Step time at N={t['seq_len']:,} on {t['world_size']} ranks (median of the slowest rank, "
                     f"alternated): {steps}; tiled / untiled = {t['tiled_over_untiled']:.3f}."]
-    out += ["", f"Longest sequence within {lc.demo_budget_bytes / 2**30:.0f} GiB per rank: the longest measured N "
-                "whose peak fits (a run), and the calibrated planner's (multiples of 2 x ranks):", "",
-            "| mode | longest measured N that fits (its peak MiB) | planner's longest N | its predicted peak MiB |",
-            "|---|---|---|---|"]
+    body = []
     for mode in LENGTH_MODES:
         training, u, r = training_of(mode, lc)
         n, step = max_seq_len(SMALL_LLAMA, training, lc.demo_budget_bytes, ulysses=u, ring=r)
         fits = [(m, _total(cell[mode.name, m])) for m in seq_lens
                 if "peak_bytes" in cell.get((mode.name, m), {}) and _total(cell[mode.name, m]) <= lc.demo_budget_bytes]
         measured = f"{fits[-1][0]:,} ({mib(fits[-1][1])})" if fits else f"none of {seq_lens[0]:,}..{seq_lens[-1]:,}"
-        out.append(f"| {mode.name} | {measured} | {n:,} | {mib(step.total) if step else '-'} |")
+        body.append([mode.name, measured, f"{n:,}", mib(step.total) if step else "-"])
+    out += ["", f"Longest sequence within {lc.demo_budget_bytes / 2**30:.0f} GiB per rank: the longest measured N "
+                "whose peak fits (a run), and the calibrated planner's (multiples of 2 x ranks):", ""]
+    out += table(["mode", "longest measured N that fits (its peak MiB)", "planner's longest N",
+                  "its predicted peak MiB"], body)
     return "\n".join(out) + "\n"
 
 

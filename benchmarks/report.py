@@ -1,15 +1,17 @@
 """Results on disk: ``results.jsonl`` (one record per line), ``results.md`` (the tables and
-the targets of issue 6 with their measured values)."""
+the targets of issue 6 with their measured values).
+
+The report imports the sections' own renderers (:func:`.kv_exchange.kv_exchange_table`) and
+the shared formatter (:mod:`.tables`); no section imports the report."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
-Record = dict[str, Any]
-MiB = 2**20
+from .kv_exchange import kv_exchange_table
+from .tables import MiB, Record, select, table
 
 
 def write_jsonl(records: Iterable[Record], path: Path) -> None:
@@ -18,16 +20,8 @@ def write_jsonl(records: Iterable[Record], path: Path) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def _select(records: list[Record], section: str, **match: Any) -> list[Record]:
-    return [r for r in records if r["section"] == section and all(r.get(k) == v for k, v in match.items())]
-
-
 def _modes(records: list[Record]) -> list[str]:
     return list(dict.fromkeys(r["mode"] for r in records))
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def _spread(values: list[float]) -> float:
@@ -36,7 +30,7 @@ def _spread(values: list[float]) -> float:
 
 
 def timing_tables(records: list[Record]) -> list[str]:
-    rows = _select(records, "timing")
+    rows = select(records, "timing")
     if not rows:
         return []
     seq_lens = sorted({r["seq_len"] for r in rows})
@@ -53,7 +47,7 @@ def timing_tables(records: list[Record]) -> list[str]:
             cells.append(f"{r['speedup_fwd']:.2f} / {r['speedup_fwd_bwd']:.2f} ({r['efficiency_fwd_bwd']:.2f})"
                          if "speedup_fwd_bwd" in r else "refused")
         body.append([mode] + cells)
-    out += _table(["mode"] + [f"N={n}" for n in seq_lens], body)
+    out += table(["mode"] + [f"N={n}" for n in seq_lens], body)
     out += ["", "Time relative to DeepSpeed Ulysses on the same problem, forward / forward+backward (< 1 = faster):", ""]
     body = []
     for mode in parallel:
@@ -63,14 +57,14 @@ def timing_tables(records: list[Record]) -> list[str]:
             ok = "fwd_s" in r and "fwd_s" in ds
             cells.append(f"{r['fwd_s'] / ds['fwd_s']:.2f} / {r['fwd_bwd_s'] / ds['fwd_bwd_s']:.2f}" if ok else "-")
         body.append([mode] + cells)
-    return out + _table(["mode"] + [f"N={n}" for n in seq_lens], body)
+    return out + table(["mode"] + [f"N={n}" for n in seq_lens], body)
 
 
 def profile_table(records: list[Record]) -> list[str]:
-    rows = _select(records, "profile")
+    rows = select(records, "profile")
     if not rows:
         return []
-    timing = {r["mode"]: r for r in _select(records, "timing", seq_len=rows[0]["seq_len"])}
+    timing = {r["mode"]: r for r in select(records, "timing", seq_len=rows[0]["seq_len"])}
     body = []
     for r in rows:
         if "error" in r:
@@ -86,7 +80,7 @@ def profile_table(records: list[Record]) -> list[str]:
     n, p = rows[0]["seq_len"], rows[0]["world_size"]
     return [f"N={n} on {p} ranks. Work: attention scores each rank computes, counted at the kernel calls. Bytes: the "
             "most any rank sends per layer, counted at the communication calls, and measured/formula (DESIGN section "
-            "5). Peak: the most memory the call adds on any rank.", ""] + _table(
+            "5). Peak: the most memory the call adds on any rank.", ""] + table(
         ["mode", "causal work max/mean", "rank time max/mean", "bytes fwd", "/ formula", "bytes bwd", "/ formula",
          "peak MiB/rank"], body)
 
@@ -115,7 +109,7 @@ def _per_token_spread(rows: list[Record]) -> float | None:
 def memory_tables(records: list[Record]) -> list[str]:
     out = []
     for section, axis, label in (("memory_vs_seq_len", "seq_len", "N"), ("memory_vs_world_size", "world_size", "P")):
-        rows = _select(records, section)
+        rows = select(records, section)
         if not rows:
             continue
         points = sorted({r[axis] for r in rows})
@@ -129,12 +123,12 @@ def memory_tables(records: list[Record]) -> list[str]:
         out += [f"Peak memory added per rank (MiB) at {fixed}; spread = max/min - 1 of peak x P / N over the points "
                 "with P >= 2 (* = more Ulysses ranks than KV heads: each rank holds a whole KV head, by design; "
                 "not in the spread):", ""]
-        out += _table(["mode"] + [f"{label}={x}" for x in points] + ["spread"], body) + [""]
+        out += table(["mode"] + [f"{label}={x}" for x in points] + ["spread"], body) + [""]
     return out[:-1]
 
 
 def overlap_table(records: list[Record]) -> list[str]:
-    rows = _select(records, "overlap")
+    rows = select(records, "overlap")
     if not rows:
         return []
     body = [[r["pass"], f"{r['delay_over_step_compute']:.1f}", f"{r['comm_s'] / r['compute_s']:.2f}",
@@ -144,13 +138,13 @@ def overlap_table(records: list[Record]) -> list[str]:
     return [f"Ring (zigzag), N={rows[0]['seq_len']} on {rows[0]['world_size']} ranks, every exchange delayed by a "
             "multiple of one forward ring step's compute. Times relative to compute alone (no delay); comm alone: the "
             "same call on 2P tokens, where compute is negligible; max = max(compute, comm). Pipeline: the best the "
-            "ring's schedule allows, (R-1) max(step, delay) + step, plus the last [dk; dv] hop in backward.", ""] + _table(
+            "ring's schedule allows, (R-1) max(step, delay) + step, plus the last [dk; dv] hop in backward.", ""] + table(
         ["pass", "delay / step", "comm alone", "with delay", "sum / max", "pipeline / max", "with delay / max",
          "with delay / pipeline"], body)
 
 
 def heads_table(records: list[Record]) -> list[str]:
-    rows = _select(records, "heads")
+    rows = select(records, "heads")
     if not rows:
         return []
     body = []
@@ -160,14 +154,14 @@ def heads_table(records: list[Record]) -> list[str]:
         else:
             result = f"exact: max error out {r['out']:.1e}, dq {r['dq']:.1e}, dk {r['dk']:.1e}, dv {r['dv']:.1e}"
         body.append([f"{r['heads']} / {r['kv_heads']}", str(r["world_size"]), r["mode"], result])
-    return ["float64 against one rank running the whole sequence (reference kernel):", ""] + _table(
+    return ["float64 against one rank running the whole sequence (reference kernel):", ""] + table(
         ["q / kv heads", "P", "mode", "result"], body)
 
 
 def targets(records: list[Record]) -> list[tuple[str, str, bool]]:
     """(target, measured value, met) for every target of issue 6 with data in ``records``."""
     found: list[tuple[str, str, bool]] = []
-    prof = [r for r in _select(records, "profile") if "error" not in r]
+    prof = [r for r in select(records, "profile") if "error" not in r]
     balanced = [r for r in prof if r["mode"] in ("ring zigzag", "ring striped")]
     if balanced:
         worst = max(r["work_max_over_mean"] for r in balanced)
@@ -180,7 +174,7 @@ def targets(records: list[Record]) -> list[tuple[str, str, bool]]:
         found.append(("bytes equal the formula within 1%",
                       f"{len(ratios)} counts, measured/formula {min(ratios):.4f}-{max(ratios):.4f}", worst <= 0.01))
     for section, what in (("memory_vs_seq_len", "N grows"), ("memory_vs_world_size", "P grows")):
-        rows = _select(records, section)
+        rows = select(records, section)
         spreads = {m: _per_token_spread([r for r in rows if r["mode"] == m]) for m in _modes(rows)}
         spreads = {m: s for m, s in spreads.items() if s is not None}
         if spreads:
@@ -194,12 +188,12 @@ def targets(records: list[Record]) -> list[tuple[str, str, bool]]:
                                  f"replicates them, {excess:+.0%}")
             found.append((f"memory per rank proportional to N/P within 10% ({what})", measured,
                           max(spreads.values()) <= 0.10))
-    over = _select(records, "overlap", delay_over_step_compute=1.0)
+    over = select(records, "overlap", delay_over_step_compute=1.0)
     if over:
         worst = max(r["measured_over_max"] for r in over)
         found.append(("injected delay: step time <= 1.1 x max(compute, comm)",
                       ", ".join(f"{r['pass']} {r['measured_over_max']:.3f}" for r in over), worst <= 1.1))
-    times = _select(records, "timing")
+    times = select(records, "timing")
     pairs = [(r, d) for r in times if r["mode"] == "Ulysses" and "fwd_s" in r
              for d in times if d["mode"] == "DeepSpeed Ulysses" and d["seq_len"] == r["seq_len"] and "fwd_s" in d]
     if pairs:
@@ -209,16 +203,16 @@ def targets(records: list[Record]) -> list[tuple[str, str, bool]]:
                       "in brackets the fastest repeats)",
                       ", ".join(f"N={r['seq_len']} {x:.3f} ({y:.3f})" for (r, _), x, y in zip(pairs, ratios, best)),
                       min(ratios) >= 1.0))
-    peaks = {r["mode"]: r["peak_bytes"] for r in _select(records, "profile") if "peak_bytes" in r}
+    peaks = {r["mode"]: r["peak_bytes"] for r in select(records, "profile") if "peak_bytes" in r}
     if "Ulysses" in peaks and "DeepSpeed Ulysses" in peaks:
-        layer = {(r["mode"], r["seq_len"]): r["peak_bytes"] for r in _select(records, "activations") if "peak_bytes" in r}
+        layer = {(r["mode"], r["seq_len"]): r["peak_bytes"] for r in select(records, "activations") if "peak_bytes" in r}
         ratios = [layer[("Ulysses", n)] / layer[("DeepSpeed Ulysses", n)] for (m, n) in layer
                   if m == "Ulysses" and ("DeepSpeed Ulysses", n) in layer]
         ratio = peaks["Ulysses"] / peaks["DeepSpeed Ulysses"]
         found.append(("our Ulysses' peak memory <= DeepSpeed's (ours / DeepSpeed's: the call; inside a layer, every N)",
                       f"{ratio:.3f}" + (f"; {min(ratios):.3f}-{max(ratios):.3f}" if ratios else ""),
                       ratio <= 1.0 and all(x <= 1.0 for x in ratios)))
-    hd = _select(records, "heads")
+    hd = select(records, "heads")
     if hd:
         cases = {(r["heads"], r["kv_heads"]) for r in hd}
         refused = [r for r in hd if r["mode"] == "DeepSpeed Ulysses" and "error" in r]
@@ -231,7 +225,7 @@ def targets(records: list[Record]) -> list[tuple[str, str, bool]]:
 
 
 def activations_table(records: list[Record]) -> list[str]:
-    rows = [r for r in _select(records, "activations") if "error" not in r]
+    rows = [r for r in select(records, "activations") if "error" not in r]
     if not rows:
         return []
     body = []
@@ -249,13 +243,13 @@ def activations_table(records: list[Record]) -> list[str]:
     return [f"One attention layer (`attend(q, k, v) * 1`) on {p} ranks, per rank: kept = memory alive between its "
             "forward and its backward, its returned output excluded; peak = the most it adds during forward+backward. "
             "Checkpointed: `torch.utils.checkpoint(use_reentrant=False)` around the layer (ring_sp keeps out + lse "
-            "for the re-run). / model: measured over `ring_sp.planner.attention_memory`.", ""] + _table(
+            "for the re-run). / model: measured over `ring_sp.plan.attention_memory`.", ""] + table(
         ["mode", "N", "kept MiB", "/ model", "kept checkpointed MiB", "/ model", "peak MiB", "/ model",
          "peak checkpointed MiB"], body)
 
 
 def schedule_table(records: list[Record]) -> list[str]:
-    rows = _select(records, "schedule")
+    rows = select(records, "schedule")
     if not rows:
         return []
     body = [[str(r["world_size"]), str(r["tokens_per_rank"]), str(r["documents"]), str(r["blocks"]),
@@ -263,13 +257,13 @@ def schedule_table(records: list[Record]) -> list[str]:
              f"{r['build_over_fwd']:.2%}", f"{r['build_over_fwd_bwd']:.2%}"] for r in rows]
     return ["`document_zigzag` on ring rank 0: one schedule build (done once per distinct `cu_seqlens`, "
             "then reused by every layer and the backward) against one layer's attention (exchanges replaced "
-            "by local copies: a lower bound of the layer, so the ratio is an upper bound); medians.", ""] + _table(
+            "by local copies: a lower bound of the layer, so the ratio is an upper bound); medians.", ""] + table(
         ["P", "tokens/rank", "documents", "blocks", "build ms", "layer fwd ms", "layer fwd+bwd ms",
          "build / fwd", "build / fwd+bwd"], body)
 
 
 def ulysses_table(records: list[Record]) -> list[str]:
-    rows = _select(records, "ulysses")
+    rows = select(records, "ulysses")
     if not rows:
         return []
     body = [[f"{r['heads']}/{r['kv_heads']}", str(r["seq_len"]), str(r["rounds"]),
@@ -278,14 +272,8 @@ def ulysses_table(records: list[Record]) -> list[str]:
              f"{r['ours_fwd_bwd_s'] * 1e3:.0f} / {r['deepspeed_fwd_bwd_s'] * 1e3:.0f}"] for r in rows]
     return ["Ulysses / DeepSpeed `DistributedAttention` on 2 ranks (same kernel), time ratio (< 1: ours "
             "faster): per round the ratio of medians, the two alternating call by call; median over rounds.",
-            ""] + _table(["q/kv heads", "N", "rounds", "fwd", "fwd+bwd", "fwd+bwd range", "fwd+bwd ms ours / DS"],
+            ""] + table(["q/kv heads", "N", "rounds", "fwd", "fwd+bwd", "fwd+bwd range", "fwd+bwd ms ours / DS"],
                          body)
-
-
-def _kv_exchange_table(records: list[Record]) -> list[str]:
-    from .kv_exchange import kv_exchange_table  # (it imports this module)
-
-    return kv_exchange_table(records)
 
 
 def markdown(records: list[Record], header: list[str]) -> str:
@@ -296,12 +284,12 @@ def markdown(records: list[Record], header: list[str]) -> str:
                            ("Fewer heads than ranks", heads_table),
                            ("Packed schedule build cost", schedule_table),
                            ("Ulysses against DeepSpeed, head shapes", ulysses_table),
-                           ("All-gathered KV against the ring", _kv_exchange_table)):
+                           ("All-gathered KV against the ring", kv_exchange_table)):
         body = section(records)
         if body:
             lines += [f"### {title}", ""] + body + [""]
     found = targets(records)
     if found:
         verdict = {True: "met", False: "**not met**"}
-        lines += ["### Targets", ""] + _table(["target", "measured", ""], [[t, v, verdict[ok]] for t, v, ok in found])
+        lines += ["### Targets", ""] + table(["target", "measured", ""], [[t, v, verdict[ok]] for t, v, ok in found])
     return "\n".join(lines) + "\n"

@@ -16,12 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ring_sp.plan import attention_memory
+
 from .cases import activation_case, exactness_case, overlap_case, profile_case, timing_case
 from .comm_bytes import formula_bytes
 from .kv_exchange import kv_exchange
 from .launch import Launcher
 from .length import length
 from .modes import DEEPSPEED, SINGLE, Mode, Problem, comparison_modes
+from .schedule_cost import measure
 from .timing import rank_balance, slowest_rank, step_time
 
 Record = dict[str, Any]
@@ -152,8 +155,6 @@ def memory(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Recor
 
 
 def _attention_memory(mode: Mode, problem: Problem, world_size: int):
-    from ring_sp.planner import attention_memory
-
     u, r = mode.grid(world_size)
     return attention_memory(ulysses=u, ring=r, batch=problem.batch, local_len=problem.seq_len // world_size,
                             heads=problem.heads, kv_heads=problem.kv_heads, head_dim=problem.head_dim,
@@ -162,7 +163,7 @@ def _attention_memory(mode: Mode, problem: Problem, world_size: int):
 
 def model_peak_bytes(mode: Mode, problem: Problem, world_size: int) -> int:
     """The planner's minimum peak of :func:`~.cases.activation_case`'s plain layer on one rank:
-    kept + working (``ring_sp.planner.attention_memory``), the layer's output, and (ring
+    kept + working (``ring_sp.plan.attention_memory``), the layer's output, and (ring
     only: Ulysses frees it before its all-to-alls) the incoming gradient the ring's node holds."""
     model = _attention_memory(mode, problem, world_size)
     out = problem.batch * (problem.seq_len // world_size) * problem.heads * problem.head_dim * problem.torch_dtype.itemsize
@@ -172,7 +173,7 @@ def model_peak_bytes(mode: Mode, problem: Problem, world_size: int) -> int:
 
 def activations(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record]:
     """Memory one attention layer keeps per rank between forward and backward, and its peak,
-    plain and under activation checkpointing, against ``ring_sp.planner.attention_memory``."""
+    plain and under activation checkpointing, against ``ring_sp.plan.attention_memory``."""
     records = []
     p = cfg.world_size
     modes = [m for m in _memory_modes(p) if m.kind != "single"]
@@ -259,8 +260,6 @@ def heads(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record
 def schedule(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Record]:
     """The packed schedule's one build per distinct ``cu_seqlens`` against one layer's
     attention on ring rank 0 of P = 8 (:mod:`.schedule_cost`; one process, the leader)."""
-    from .schedule_cost import measure
-
     if not run.is_leader:
         return []
     log(f"schedule: build cost at P=8, {cfg.schedule_tokens_per_rank} tokens per rank, "

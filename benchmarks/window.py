@@ -11,7 +11,7 @@ Three ways to run causal sliding-window attention over ``P`` ranks:
   with context parallelism), ``P - 1`` shards out per rank forward, a reduce-scatter of dK/dV
   (input dtype) backward; the transfers are not overlapped with compute.
 
-Modelled (the planner's figures, ``ring_sp.planner``): bytes and time per rank per layer for
+Modelled (the planner's figures, ``ring_sp.plan``): bytes and time per rank per layer for
 ``W = 4096``, ``N = 32K .. 128K`` on 8 ranks (one 8-GPU node: an H100-like GPU, 450 GB/s
 links; and the same ranks over 50 GB/s inter-node links), a Llama-8B-like layer (32 q / 8 KV
 heads, head_dim 128, bf16). Measured (gloo ranks on this CPU): the halo against the full
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import ring_sp
-from ring_sp.planner import BACKWARD_FLOP_RATIO, dtype_bytes, layer_bytes
+from ring_sp.plan import BACKWARD_FLOP_RATIO, dtype_bytes, layer_bytes
 from ring_sp.ring import RingSpec
 from ring_sp.schedule import ExchangePlan, exchange_plan
 

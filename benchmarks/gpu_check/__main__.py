@@ -1,0 +1,194 @@
+"""``python -m benchmarks.gpu_check``: what a few minutes of one GPU should measure (issue 32).
+
+    python -m benchmarks.gpu_check --out $OUT --wheels .whl           # one H100/H200: within 8 minutes
+    python -m benchmarks.gpu_check --quick --out $OUT --wheels .whl   # within 3 minutes
+    python -m benchmarks.gpu_check --dry --out /tmp/gpu_check         # CPU, tiny sizes: every code path (CI)
+
+Sections, in order, each under its own time cap: ``kernel_tests`` (tests/test_kernels_cuda.py),
+``memory`` (the whole-step memory model against the allocator, the longest N for ring_sp and
+ALST) and ``efficiency`` (the ring schedule's blocks against one fused kernel). Writes into
+``--out`` (default ``$OUT``): ``gpu_check.jsonl`` (one JSON record per line, each written as
+it is measured), ``gpu_check.md`` (the card and the tables, rewritten after each section)
+and ``kernel_tests.log``. What a section cannot run (pytest or DeepSpeed missing) is named
+before anything runs and recorded as skipped; it exits 1 only if a section raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from ..tables import table
+from . import efficiency, kernel_tests, memory
+from .preflight import card, card_markdown, install_wheels, missing
+from .seam import Deadline, Seam
+
+Record = dict[str, Any]
+SECTIONS = ("kernel_tests", "memory", "efficiency")
+CAPS = {  # seconds per section: full within 8 minutes on an H100 (with start-up), quick within 3
+    "full": {"kernel_tests": 110, "memory": 160, "efficiency": 160},
+    "quick": {"kernel_tests": 40, "memory": 55, "efficiency": 55},
+    "dry": {"kernel_tests": 60, "memory": 60, "efficiency": 60},
+}
+CONFIGS = {"full": (memory.FULL, efficiency.FULL), "quick": (memory.QUICK, efficiency.QUICK),
+           "dry": (memory.DRY, efficiency.DRY)}
+MEMORY_TARGET, EFFICIENCY_TARGET, EFFICIENCY_TOKENS = 0.10, 0.95, 16384
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                   help="folder for gpu_check.jsonl / .md (default $OUT)")
+    p.add_argument("--wheels", type=Path, help="folder of wheels to install first (those not installed already)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and modes: within 3 minutes on an H100")
+    p.add_argument("--dry", action="store_true", help="on the CPU at tiny sizes (CI): every section's code path")
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    for name in SECTIONS:
+        p.add_argument(f"--cap-{name.replace('_', '-')}", type=float, help=f"seconds for {name} (default per mode)")
+    args = p.parse_args(argv)
+    if args.out is None:
+        p.error("--out is required when $OUT is not set")
+    return args
+
+
+class Results:
+    """Records as they come: appended to the JSON lines file at once, kept for the summary."""
+
+    def __init__(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.path, self.records = out / "gpu_check.jsonl", []
+        self.path.write_text("")
+
+    def add(self, records: list[Record]) -> None:
+        with self.path.open("a") as f:
+            for r in records:
+                f.write(json.dumps(r, default=str) + "\n")
+        self.records += records
+
+
+def section_command(name: str, mode: str, args: argparse.Namespace) -> str:
+    flags = {"full": "", "quick": " --quick", "dry": " --dry"}[mode]
+    wheels = f" --wheels {args.wheels}" if args.wheels else ""
+    return f"python -m benchmarks.gpu_check --sections {name}{flags}{wheels} --out {args.out}"
+
+
+def run_section(name: str, seam: Seam, mode: str, deadline: Deadline, log: Callable[[str], None],
+                out: Path) -> Iterable[Record]:
+    memory_cfg, efficiency_cfg = CONFIGS[mode]
+    if name == "kernel_tests":
+        return kernel_tests.kernel_tests(seam, mode, deadline, log, out / "kernel_tests.log")
+    if name == "memory":
+        return memory.memory(seam, memory_cfg, deadline, log)
+    return efficiency.efficiency(seam, efficiency_cfg, deadline, log)
+
+
+def targets(records: list[Record]) -> list[list[str]]:
+    """(target, measured, verdict) rows for the summary."""
+    rows = []
+    verdict = {True: "met", False: "**not met**"}
+    tests = [r for r in records if r["section"] == "kernel_tests" and "counts" in r]
+    for r in tests:
+        bad = r["counts"].get("failed", 0) + r["counts"].get("errors", 0)
+        rows.append(["CUDA kernel tests pass", r["summary"] or r.get("error", ""), verdict[bad == 0 and "error" not in r]])
+    measured = [r for r in records if r["section"] == "memory" and "measured_over_model" in r
+                and r["library"] == "ring_sp"]
+    if measured:
+        worst = max(measured, key=lambda r: abs(r["measured_over_model"] - 1))
+        rows.append([f"step memory model within {MEMORY_TARGET:.0%} of max_memory_allocated",
+                     f"worst {worst['mode']} N={worst['seq_len']:,}: measured / model {worst['measured_over_model']:.3f} "
+                     f"({len(measured)} points)", verdict[abs(worst["measured_over_model"] - 1) <= MEMORY_TARGET]])
+    longest = {r["target"]: r for r in records if r["section"] == "memory_longest" and "longest_fits" in r}
+    ours, alst = longest.get("ring_sp tiled+offload"), longest.get("ALST")
+    if ours and alst and alst["longest_fits"]:
+        rows.append(["longest N on one GPU: ring_sp / ALST's modules",
+                     f"{ours['longest_fits']:,} / {alst['longest_fits']:,} = "
+                     f"{ours['longest_fits'] / alst['longest_fits']:.2f}",
+                     "recorded"])
+    eff = [r for r in records if r["section"] == "efficiency" and "efficiency" in r]
+    for schedule in efficiency.SCHEDULES:
+        mine = [r for r in eff if r["schedule"] == schedule]
+        long = [r for r in mine if r["tokens_per_rank"] >= EFFICIENCY_TOKENS]
+        if not mine:
+            continue
+        values = ", ".join(f"P={r['world_size']} n={r['tokens_per_rank']:,}: {r['efficiency']:.3f}" for r in mine)
+        if schedule == "zigzag":
+            ok = bool(long) and min(r["efficiency"] for r in long) >= EFFICIENCY_TARGET
+            rows.append([f"zigzag schedule efficiency >= {EFFICIENCY_TARGET} at >= 16K tokens per rank", values,
+                         verdict[ok] if long else "no point at >= 16K tokens per rank"])
+        else:
+            rows.append([f"{schedule} schedule efficiency (recorded)", values, "recorded"])
+    return rows
+
+
+def summary(records: list[Record], elapsed: dict[str, Any]) -> str:
+    cards = [r for r in records if r["section"] == "card"]
+    lines = ["# gpu_check", ""] + (card_markdown(cards[0], elapsed) if cards else []) + [""]
+    parts = (("CUDA kernel tests", kernel_tests.markdown), ("Step memory: model against the allocator", memory.markdown),
+             ("Schedule efficiency", efficiency.markdown))
+    for title, render in parts:
+        body = render(records)
+        if body:
+            lines += [f"## {title}", ""] + body + [""]
+    errors = [r for r in records if "error" in r and r["section"] in SECTIONS and "counts" not in r]
+    for r in errors:
+        lines += [f"**{r['section']} failed**: {r['error']}", ""]
+    found = targets(records)
+    if found:
+        lines += ["## Targets", ""] + table(["target", "measured", ""], found) + [""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    mode = "dry" if args.dry else "quick" if args.quick else "full"
+    if not args.dry:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # before CUDA starts
+    wheels = install_wheels(args.wheels) if args.wheels else None
+    seam = Seam.open(args.dry)
+    caps = {name: getattr(args, f"cap_{name}") or CAPS[mode][name] for name in args.sections}
+    skips = missing(args.sections)
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {message}", flush=True)
+
+    for row, reason in skips.items():
+        log(f"will skip {row}: {reason}")
+    results = Results(args.out)
+    command = " ".join(["python -m benchmarks.gpu_check", *(sys.argv[1:] if argv is None else argv)])
+    results.add([card(seam, command, mode, caps, wheels, skips)])
+    elapsed: dict[str, Any] = {}
+    failed = False
+    for name in args.sections:
+        begin = time.monotonic()
+        status = "done"
+        try:  # records are written as they come: a failure keeps what was measured before it
+            for r in run_section(name, seam, mode, Deadline(caps[name]), log, args.out):
+                results.add([{**r, "command": section_command(name, mode, args)}])
+        except Exception as exc:  # noqa: BLE001  (one section's failure is recorded; the next still runs)
+            traceback.print_exc()
+            status, failed = "raised", True
+            results.add([{"section": name, "error": f"{type(exc).__name__}: {exc}"[:500],
+                          "command": section_command(name, mode, args)}])
+            seam.release()
+        elapsed[name] = {"elapsed_s": time.monotonic() - begin, "cap_s": caps[name], "status": status,
+                         "command": section_command(name, mode, args)}
+        results.add([{"section": "section_time", "name": name, **elapsed[name]}])
+        (args.out / "gpu_check.md").write_text(summary(results.records, elapsed))
+        log(f"{name}: {elapsed[name]['elapsed_s']:.1f} s ({status}); wrote {args.out / 'gpu_check.md'}")
+    print(summary(results.records, elapsed))
+    total = time.monotonic() - started
+    log(f"done in {total:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

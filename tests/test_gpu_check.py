@@ -1,0 +1,199 @@
+"""``python -m benchmarks.gpu_check --dry``: every section's code path on the CPU (issue 32).
+
+The dry run is the CI stand-in for the GPU run: the same sections, the same records, on
+the CPU at tiny sizes through the seam's CPU stand-ins. One run (a subprocess, so its
+process group and dispatch modes stay out of the session) feeds every check on its
+records; the seam and the search for the longest N are also checked on their own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.gpu_check import efficiency as gpu_efficiency
+from benchmarks.gpu_check import memory as gpu_memory
+from benchmarks.gpu_check.__main__ import CAPS, summary
+from ring_sp.layouts import check_layout
+from benchmarks.gpu_check.preflight import install_wheels
+from benchmarks.gpu_check.seam import Deadline, Seam, SimulatedOutOfMemory
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
+    return out, records
+
+
+def _section(records, name):
+    return [r for r in records if r["section"] == name]
+
+
+def test_dry_run_writes_every_section(dry_run):
+    out, records = dry_run
+    assert {r["section"] for r in records} >= {"card", "kernel_tests", "memory", "memory_longest", "efficiency",
+                                               "section_time"}
+    assert not [r for r in records if "error" in r], [r for r in records if "error" in r]
+    (card,) = _section(records, "card")
+    assert card["mode"] == "dry" and card["torch"] == torch.__version__ and card["kernel"] == "torch"
+    times = {r["name"]: r for r in _section(records, "section_time")}
+    assert set(times) == {"kernel_tests", "memory", "efficiency"}
+    assert all(t["status"] == "done" and t["elapsed_s"] <= t["cap_s"] for t in times.values())
+    assert all("--sections" in r["command"] for r in records if r["section"] in times)
+    text = (out / "gpu_check.md").read_text()
+    for heading in ("## CUDA kernel tests", "## Step memory", "## Schedule efficiency", "## Targets"):
+        assert heading in text
+
+
+def test_kernel_tests_ran_with_a_summary(dry_run):
+    (record,) = _section(dry_run[1], "kernel_tests")
+    assert record["returncode"] == 0 and record["counts"]["passed"] >= 1 and "passed" in record["summary"]
+    assert not record["counts"].get("failed")
+
+
+def test_memory_records_have_model_and_measured_figures(dry_run):
+    rows = _section(dry_run[1], "memory")
+    measured = [r for r in rows if "added_bytes" in r]
+    assert {r["mode"] for r in measured} >= {"tiled", "tiled+ckpt", "tiled+offload", "untiled", "ALST"}
+    for r in measured:
+        assert r["model_added_bytes"] > 0 and r["added_bytes"] > 0 and r["peak_bytes"] > r["added_bytes"]
+        assert 0.25 < r["measured_over_model"] < 4.0, r  # wired up (the model is not tuned on a tiny stack)
+    # where the model says a mode does not fit, it is skipped with the reason, not run
+    assert any("skipped" in r and "free" in r["skipped"] for r in rows)
+
+
+def test_the_longest_n_is_bracketed_for_ring_sp_and_alst(dry_run):
+    found = {r["target"]: r for r in _section(dry_run[1], "memory_longest")}
+    assert set(found) == {"ring_sp tiled+offload", "ALST"}
+    for r in found.values():
+        assert r["converged"] and r["longest_fits"] > 0 and r["shortest_fails"] == r["longest_fits"] + r["unit"]
+        assert any(p["fits"] for p in r["probes"]) and any(not p["fits"] for p in r["probes"])
+
+
+def test_efficiency_records_are_finite_and_exact(dry_run):
+    rows = _section(dry_run[1], "efficiency")
+    assert {(r["schedule"], r["world_size"]) for r in rows} == {(s, p) for s in ("zigzag", "window", "packed")
+                                                                for p in (4, 8)}
+    for r in rows:
+        assert "skipped" not in r, r
+        for key in ("efficiency", "efficiency_work", "sum_s", "baseline_s", "full_s"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["pairs"] <= r["causal_pairs"] and len(r["rank_s"]) == r["world_size"]
+    zigzag = [r for r in rows if r["schedule"] == "zigzag"]
+    assert all(r["pairs"] == r["causal_pairs"] for r in zigzag)  # the schedule covers every causal pair once
+    checked = [r for r in rows if r.get("max_abs_diff") is not None]
+    assert {r["schedule"] for r in checked} == {"zigzag", "window", "packed"}
+    assert all(r["max_abs_diff"] < 1e-4 for r in checked), checked
+
+
+def test_the_summary_names_what_was_skipped_or_failed(dry_run):
+    """Rows a GPU run may produce that the dry run does not: each renders with its reason."""
+    records = [
+        {"section": "memory_longest", "target": "ALST", "skipped": "DeepSpeed's ALST modules are not importable (x)"},
+        *dry_run[1],
+        {"section": "kernel_tests", "selection": "full", "skipped": "pytest is not installed"},
+        {"section": "efficiency", "schedule": "zigzag", "world_size": 8, "tokens_per_rank": 65536,
+         "seq_len": 524288, "skipped": "time cap: predicted 30.0 s, 3 s left"},
+        {"section": "efficiency", "error": "RuntimeError: boom"},
+    ]
+    text = summary(records, {})
+    for reason in ("not importable (x)", "pytest is not installed", "time cap: predicted 30.0 s", "RuntimeError: boom"):
+        assert reason in text
+
+
+def test_the_gpu_configurations_fit_their_time_and_shapes():
+    """What only a GPU run would find out, checked here: the caps leave start-up room in 8 (full)
+    and 3 (quick) minutes, and every point of the GPU sizes is a valid problem."""
+    assert sum(CAPS["full"].values()) <= 8 * 60 - 30 and sum(CAPS["quick"].values()) <= 3 * 60 - 25
+    for cfg in (gpu_efficiency.FULL, gpu_efficiency.QUICK):
+        assert (cfg.heads, cfg.kv_heads, cfg.head_dim) == (32, 8, 128)  # Llama-3-8B's attention
+        for n in cfg.tokens_per_rank:
+            for p in cfg.world_sizes:
+                for schedule in gpu_efficiency.SCHEDULES:
+                    layout, cu, window = gpu_efficiency.problem(schedule, p, n * p, cfg)
+                    check_layout(layout, p, n * p, cu_seqlens=cu)
+                    assert window is None or window < n
+    for cfg in (gpu_memory.FULL, gpu_memory.QUICK):
+        assert cfg.shape == gpu_memory.LLAMA_8B_2_LAYERS and len(cfg.seq_lens) == 3
+        assert all(n % cfg.unit == 0 and n % cfg.tile_tokens == 0 for n in cfg.seq_lens)
+        for mode in cfg.modes:  # the model answers for every mode at every length
+            train = gpu_memory.training(mode, cfg, torch.bfloat16)
+            assert gpu_memory.model_added(cfg.shape, train, cfg.seq_lens[-1])[0] > 0
+
+
+def test_the_seam_on_the_cpu():
+    seam = Seam.open(dry=True, dry_capacity_bytes=2**20)
+    assert seam.device.type == "cpu" and seam.dtype == torch.float32 and seam.capacity() == 2**20
+    with seam.memory() as m:
+        x = torch.ones(1000)  # 4000 bytes
+        del x
+        y = torch.ones(10)
+    assert m.added == 4000 and m.reserved is None and y.sum() == 10
+    with pytest.raises(SimulatedOutOfMemory) as caught, seam.memory(limit_bytes=1000):
+        torch.ones(1000)
+    assert seam.is_out_of_memory(caught.value) and not seam.is_out_of_memory(RuntimeError("other"))
+    with seam.budget(512):
+        assert seam.capacity() == 512
+    assert seam.capacity() == 2**20
+    assert seam.time(lambda: sum(range(1000))) > 0
+    median, times = seam.median_time(lambda: None, repeats=3, warmup=1)
+    assert len(times) == 3 and median >= 0
+
+
+def test_search_finds_the_threshold_and_respects_the_time_cap():
+    limit = 37 * 64 + 5
+
+    def fits(n):
+        return {"step_s": 0.0, "added_bytes": n} if n <= limit else {"out_of_memory": "too long"}
+
+    for guess in (64, 37 * 64, 80 * 64, 4000 * 64):
+        found = gpu_memory.search(fits, guess, 64, Deadline(60), [])
+        assert (found["longest_fits"], found["shortest_fails"], found["converged"]) == (37 * 64, 38 * 64, True), guess
+    # a probe predicted to take longer than the time left is not run
+    found = gpu_memory.search(fits, 37 * 64, 64, Deadline(1.0), [(64, 10.0)])
+    assert found["probes"] == [] and not found["converged"]
+
+
+def test_predict_time_and_the_linear_extrapolation():
+    steps = [(1000, 1000 * 1e-3 + 1e-6 * 1000**2), (2000, 2000 * 1e-3 + 1e-6 * 2000**2)]
+    assert gpu_memory.predict_time(steps, 4000) == pytest.approx(4000 * 1e-3 + 1e-6 * 4000**2)
+    assert gpu_memory.predict_time(steps[:1], 2000) == pytest.approx(4 * steps[0][1])
+    assert gpu_memory.predict_time([], 10**9) == 0.0
+    line = [{"seq_len": 100, "added_bytes": 1100}, {"seq_len": 200, "added_bytes": 2100}]
+    assert gpu_memory.linear_longest(line, 5100) == 500
+
+
+def test_wheels_install_only_what_is_missing(tmp_path, monkeypatch):
+    """--wheels: a pure-Python wheel of a missing distribution is installed and importable; one
+    whose distribution is already installed (here: pytest) is left alone."""
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    name, version = "gpu_check_probe", "1.0"
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as whl:
+        whl.writestr(f"{name}.py", "ANSWER = 42\n")
+        whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        whl.writestr(f"{info}/RECORD", f"{name}.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
+    (folder / f"pytest-{pytest.__version__}-py3-none-any.whl").write_bytes(b"not a real wheel: never installed")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    result = install_wheels(folder)
+    assert result["installed"] == [f"{name}-{version}-py3-none-any.whl"]
+    assert "pytest" in " ".join(result["already_present"])
+    probe = __import__(name)
+    assert probe.ANSWER == 42
+    sys.modules.pop(name, None)

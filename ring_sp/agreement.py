@@ -2,17 +2,27 @@
 
 On gloo, ranks that disagree on shapes do not fail cleanly: an ``all_to_all_single`` size
 mismatch aborts the process, a ``batch_isend_irecv`` mismatch completes with garbage, an
-``all_reduce`` mismatch hangs until the group timeout. So before the first real
-collective of a call, ranks exchange a small fixed-size signature of their arguments
-(one ``all_gather`` of ~24 int64) and, if any differs or any rank found a local error,
-EVERY rank raises the same ``ValueError`` naming the offending ranks.
+``all_reduce`` mismatch hangs until the group timeout. And an error found on ONE rank only
+(another rank's shard, say) leaves its peers waiting in the call's first collective. So
+before the first real collective of a call, ranks exchange one small fixed-size int64 row
+(one ``all_gather``; :data:`ROW` values): an error flag, the call's signature (shapes,
+dtype, options) and a few values of the shard the call runs on that every rank must share
+(:func:`shard_values`: the global batch the integrations' shards were cut from). If any
+rank found an error, or any row differs, EVERY rank raises: its own error (same type and
+message, saying that every rank failed) when every rank found one (bad everywhere, the common
+case: no more words need travelling), else the same ``ValueError`` naming the offending ranks
+and their errors.
 
-Cost: the exchange runs once per (group, signature) and is then cached, so a training
-loop pays it on its first step only. With ``validate=True`` (or the environment variable
-``RING_SP_VALIDATE=1``) it runs on every call and local argument errors are folded into
-it, so even an error on ONE rank is raised on all ranks instead of leaving peers waiting.
-Residual risk without validation: a rank that switches to a DIFFERENT already-agreed
-signature while its peers do not (e.g. alternating lengths out of step) is not caught.
+Default: every call (``validate=None``), so an error on one rank is an error on all of
+them. Cost: one all_gather of 256 bytes and one host sync per call (``benchmarks/
+agreement_cost.py``; docs/robustness.md models it on NCCL). ``validate=False`` or
+``RING_SP_VALIDATE=0`` opts out: the exchange then runs once per (group, signature) and is
+cached, local errors raise on their rank alone, and a rank that switches to a DIFFERENT
+already-agreed signature while its peers do not is not caught.
+
+An error found BEFORE a call, outside it (a model's inputs, say), joins the next agreement
+with :func:`raise_at_next_agreement`, so the ranks fail together at the point where they
+all are: the first attention call.
 """
 
 from __future__ import annotations
@@ -20,6 +30,9 @@ from __future__ import annotations
 import os
 import struct
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -29,21 +42,26 @@ from .layouts import LAYOUTS
 from .validation import BACKENDS, KV_EXCHANGES
 
 ENV_FLAG = "RING_SP_VALIDATE"
+WIDTH = 28  # the values of every signature (padded): every agreement on a group exchanges one size
+SHARD_WIDTH = 3  # the shard's values every rank must share (-1: none given)
+ROW = 1 + WIDTH + SHARD_WIDTH  # error flag, signature, shard
+_KINDS = ("attention", "loss", "error")
 _CACHE_SIZE = 4096
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_OFF = ("0", "false", "no", "off")
 _agreed: OrderedDict[tuple[tuple[str, tuple[int, ...]], tuple[int, ...]], None] = OrderedDict()  # bounded memo
 
 
 def validation_requested(validate: bool | None) -> bool:
-    """``validate`` if given, else the ``RING_SP_VALIDATE`` environment variable."""
+    """``validate`` if given, else on unless the ``RING_SP_VALIDATE`` environment variable says 0/false/no/off."""
     if validate is not None:
         return validate
-    return os.environ.get(ENV_FLAG, "0").lower() not in ("", "0", "false", "no")
+    return os.environ.get(ENV_FLAG, "1").strip().lower() not in _OFF
 
 
 @dataclass(frozen=True)
 class CallSignature:
-    """What every rank of one call must agree on, as fixed-width integers."""
+    """What every rank of one call must agree on, as :data:`WIDTH` fixed-width integers."""
 
     values: tuple[int, ...]
     text: str
@@ -69,7 +87,14 @@ class CallSignature:
                 f"layout={layout!r}, softmax_scale={softmax_scale!r}, backend={backend!r}, ulysses x ring = {ulysses_size} x {ring_size}, "
                 f"cu_seqlens={'None' if cu_seqlens is None else f'{len(cu_seqlens) - 1} documents (checksum {_checksum(cu_seqlens)})'}, "
                 f"sinks={_describe_sinks(sinks)}, sliding_window={sliding_window!r}, kv_exchange={kv_exchange!r}")
-        return CallSignature(values, text)
+        return CallSignature.named("attention", values, text)
+
+    @staticmethod
+    def named(kind: str, values: tuple[int, ...], text: str) -> CallSignature:
+        """A signature of ``kind`` (one of ``attention``, ``loss``, ``error``): ``values`` padded to :data:`WIDTH`."""
+        if len(values) >= WIDTH:
+            raise ValueError(f"a signature holds at most {WIDTH - 1} values; got {len(values)}")
+        return CallSignature((_KINDS.index(kind), *values, *(-1,) * (WIDTH - 1 - len(values))), f"{kind}: {text}")
 
 
 def _sinks_code(sinks: object) -> tuple[int, int]:
@@ -108,6 +133,60 @@ def _scale_bits(softmax_scale: object) -> int:
     return struct.unpack("<q", struct.pack("<d", float(softmax_scale)))[0]
 
 
+# ---- what a call carries besides its arguments -------------------------------------------
+
+@dataclass
+class _Pending:
+    error: Exception | None
+    consumed: bool = False
+
+
+_shard: ContextVar[torch.Tensor | None] = ContextVar("ring_sp_shard_values", default=None)
+_pending: ContextVar[_Pending | None] = ContextVar("ring_sp_pending_error", default=None)
+
+
+@contextmanager
+def shard_values(values: torch.Tensor | None) -> Iterator[None]:
+    """Agreements inside the block also compare ``values`` (int64 ``[SHARD_WIDTH]``, on any
+    device: no host sync until the exchange's own) across the ranks: what every rank's shard
+    must share, e.g. the global batch it was cut from. None: nothing (``-1`` on the wire)."""
+    if values is not None and (values.dtype != torch.int64 or values.shape != (SHARD_WIDTH,)):
+        raise ValueError(f"shard values must be an int64 tensor [{SHARD_WIDTH}]; got {values.dtype} {tuple(values.shape)}")
+    token = _shard.set(values)
+    try:
+        yield
+    finally:
+        _shard.reset(token)
+
+
+@contextmanager
+def raise_at_next_agreement(error: Exception | None = None) -> Iterator[None]:
+    """``error`` (found on this rank before a collective call, e.g. in a model's inputs), or the
+    first one :func:`defer` gets inside the block, joins the first agreement inside the block,
+    so every rank of that call's group raises (naming this rank) where they all are, before
+    its first collective. Raised here, on this rank alone, if the block ends without an
+    agreement (a group of one rank)."""
+    pending = _Pending(error)
+    token = _pending.set(pending)
+    try:
+        yield
+    finally:
+        _pending.reset(token)
+    if pending.error is not None and not pending.consumed:
+        raise pending.error
+
+
+def defer(error: Exception) -> bool:
+    """Inside a :func:`raise_at_next_agreement` block: keep ``error`` for its next agreement (the
+    first error kept wins) and return True; outside one, False (the caller raises it)."""
+    pending = _pending.get()
+    if pending is None or pending.consumed:
+        return False
+    if pending.error is None:
+        pending.error = error
+    return True
+
+
 def _group_key(group: dist.ProcessGroup) -> tuple[str, tuple[int, ...]]:
     return getattr(group, "group_name", ""), tuple(dist.get_process_group_ranks(group))
 
@@ -119,25 +198,64 @@ def _device_for(group: dist.ProcessGroup, hint: torch.device) -> torch.device:
 
 def agree(group: dist.ProcessGroup, signature: CallSignature, local_error: Exception | None, *,
           always: bool, device: torch.device) -> None:
-    """Raise the same ``ValueError`` on every rank of ``group`` if ranks disagree or any
-    rank has ``local_error``; else return (and remember the signature as agreed)."""
+    """Raise on every rank of ``group`` if ranks disagree (signature or :func:`shard_values`) or any
+    rank has an error (one kept by :func:`raise_at_next_agreement`, else ``local_error``); else return.
+
+    ``always=False``: skip the exchange for a signature this group already agreed on (and no error).
+    """
+    pending = _pending.get()
+    if pending is not None and pending.error is not None and not pending.consumed:
+        pending.consumed = True
+        local_error = pending.error  # found first (before the call): it explains the call's own, if any
     key = (_group_key(group), signature.values)
     if not always and local_error is None and key in _agreed:
         _agreed.move_to_end(key)
         return
-    mine = torch.tensor([int(local_error is not None), *signature.values], dtype=torch.int64, device=_device_for(group, device))
+    target = _device_for(group, device)
+    mine = torch.tensor([int(local_error is not None), *signature.values, *(-1,) * SHARD_WIDTH], dtype=torch.int64,
+                        device=target)
+    shard = _shard.get()
+    if shard is not None:
+        mine[-SHARD_WIDTH:] = shard.to(target)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(rows, mine, group=group)
-    table = [tuple(row.tolist()) for row in rows]
+    table = [tuple(row) for row in torch.stack(rows).tolist()]  # the one host sync
     if all(row[0] == 0 for row in table) and len(set(table)) == 1:
         _agreed[key] = None
         if len(_agreed) > _CACHE_SIZE:
             _agreed.popitem(last=False)
         return
+    if local_error is not None and all(row[0] for row in table):
+        everywhere = _everywhere(local_error, dist.get_process_group_ranks(group), dist.get_rank(group))
+        if everywhere is local_error:
+            raise local_error
+        raise everywhere from local_error
     # The failure path may be slow: gather every rank's own words and build one message.
     reports: list[tuple[str | None, str] | None] = [None] * len(table)
-    dist.all_gather_object(reports, (None if local_error is None else f"{type(local_error).__name__}: {local_error}", signature.text), group=group)
+    shards_differ = len({row[-SHARD_WIDTH:] for row in table}) > 1
+    text = signature.text + (_describe_shard(table[dist.get_rank(group)][-SHARD_WIDTH:]) if shards_differ else "")
+    dist.all_gather_object(reports, (None if local_error is None else f"{type(local_error).__name__}: {local_error}", text),
+                           group=group)
     raise ValueError(_disagreement_message(dist.get_process_group_ranks(group), table, reports))
+
+
+def _everywhere(error: Exception, ranks: list[int], me: int) -> Exception:
+    """Bad everywhere (the common case): this rank's own error, of its own type, saying that every
+    rank failed; no more words need travelling."""
+    text = (f"argument check failed on rank(s) {ranks} of the group {ranks} (every rank); rank {ranks[me]}: "
+            f"{type(error).__name__}: {error}")
+    try:
+        return type(error)(text)
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments: raise it as is
+        return error
+
+
+def _describe_shard(values: tuple[int, ...]) -> str:
+    if all(v == -1 for v in values):
+        return "; a shard without a ring_sp fingerprint (hand-built)"
+    length, layout, batch = values
+    name = LAYOUTS[layout] if 0 <= layout < len(LAYOUTS) else layout
+    return f"; shard of a global batch of {length} tokens (checksum {batch}) cut with layout={name!r}"
 
 
 def _disagreement_message(ranks: list[int], table: list[tuple[int, ...]], reports: list) -> str:
@@ -150,8 +268,11 @@ def _disagreement_message(ranks: list[int], table: list[tuple[int, ...]], report
     odd = [i for i, row in enumerate(table) if row[1:] != majority and i not in failed]
     if odd:
         reference = next(i for i, row in enumerate(table) if row[1:] == majority)
-        lines.append(f"ranks disagree on the call's arguments: rank(s) {[ranks[i] for i in odd]} differ from the others:")
+        what = "the call's arguments" if any(table[i][1:-SHARD_WIDTH] != majority[:-SHARD_WIDTH] for i in odd) else \
+            "the global batch their shards were cut from (every rank must shard the SAME global batch)"
+        lines.append(f"ranks disagree on {what}: rank(s) {[ranks[i] for i in odd]} differ from the others:")
         lines.extend(f"  rank {ranks[i]}: {reports[i][1]}" for i in odd)
         lines.append(f"  rank {ranks[reference]} (and the rest): {reports[reference][1]}")
-    lines.append("Every rank of a sequence-parallel group must call with the same shapes, dtype and options.")
+    lines.append("Every rank of a sequence-parallel group must call with the same shapes, dtype and options, on shards "
+                 "of the same global batch.")
     return "\n".join(lines)

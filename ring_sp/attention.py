@@ -9,9 +9,10 @@ ranks (either may be absent = size 1):
    ``kv_exchange="all_gather"`` gathers the ring group's KV once instead of rotating it.
 3. The inverse all-to-all.
 
-Before step 1, every rank checks its own arguments and then (once per new signature, or
-always with ``validate=True``) the ranks agree on them, so mistakes surface as the same
-clear error on every rank instead of a hang or an abort (:mod:`ring_sp.agreement`).
+Before step 1, every rank checks its own arguments and then the ranks agree on them and on
+any local error (one small all_gather per call; with ``validate=False`` once per new
+signature, local errors then raising on their rank alone), so mistakes surface as a clear
+error on every rank instead of a hang or an abort (:mod:`ring_sp.agreement`).
 
 The input layout is defined over the whole SP group with
 ``sp_rank = ring_rank * U + ulysses_rank`` (DESIGN.md section 3), so
@@ -136,8 +137,8 @@ def _attention(
         error = None
     except (TypeError, ValueError, RuntimeError) as exc:
         if not always:
-            raise  # bad everywhere is the common case: no collective needed to say so
-        error = exc
+            raise  # opted out: this rank alone raises (its peers stop at the group timeout)
+        error = exc  # every rank raises it, or its own, at the agreement
     if _size(agreement_group) > 1:
         signature = CallSignature.of(q, k, v, ulysses_size=_size(ulysses_group), ring_size=_size(ring_group),
                                      cu_seqlens=boundaries, sinks=sinks, **options)
@@ -157,20 +158,20 @@ def _device(q: object) -> torch.device:
     return q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
 
 
-def raise_on_every_rank(error: Exception, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                        topology: SequenceParallelTopology, causal: bool, layout: str, softmax_scale: float | None,
-                        backend: str, cu_seqlens: Boundaries | None = None, sinks: torch.Tensor | None = None,
-                        sliding_window: int | None = None, validate: bool | None = None,
-                        kv_exchange: str = "ring") -> NoReturn:
+def raise_on_every_rank(error: Exception, q: object, k: object, v: object, *,
+                        topology: SequenceParallelTopology, causal: object = True, layout: object = "zigzag",
+                        softmax_scale: object = None, backend: object = "auto", cu_seqlens: Boundaries | None = None,
+                        sinks: object = None, sliding_window: object = None, validate: bool | None = None,
+                        kv_exchange: object = "ring") -> NoReturn:
     """Raise ``error``, which an integration found checking THIS rank's inputs of a
     :func:`hybrid_attention` call it was about to make (same arguments).
 
     An input that is wrong on one rank only (another rank's shard, say) would leave the
-    peers waiting in the call's first collective until the group's timeout. With
-    validation on (``validate=True`` or ``RING_SP_VALIDATE=1``) this rank first joins the
-    call's agreement (:mod:`ring_sp.agreement`) with the error, so every rank of the SP
-    group raises the same ``ValueError`` naming this rank; without it, it raises here, as
-    any local argument error of :func:`hybrid_attention` does.
+    peers waiting in the call's first collective until the group's timeout. So, with
+    validation on (the default; ``validate=False`` or ``RING_SP_VALIDATE=0`` turn it off),
+    this rank first joins the call's agreement (:mod:`ring_sp.agreement`) with the error:
+    every rank of the SP group raises, the same ``ValueError`` naming this rank (or, when
+    every rank found an error, each its own). Without validation it raises here, alone.
     """
     if validation_requested(validate) and topology.sp_size > 1:
         signature = CallSignature.of(q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
@@ -212,8 +213,9 @@ def ring_attention(
     Returns out ``[b, n, h, d_v]`` in q's dtype; with ``return_lse`` also lse ``[b, h, n]``
     (float32; with sinks it includes them). Only KV heads travel (GQA/MQA); dK/dV are
     accumulated in fp32.
-    ``validate``: agree on the arguments across ranks on every call (default: on the
-    first call of each new shape; ``RING_SP_VALIDATE=1`` sets it globally).
+    ``validate``: agree on the arguments (and any local error) across ranks on every call,
+    so an error on one rank is raised on all (default: on; ``False`` or ``RING_SP_VALIDATE=0``
+    agree once per new shape and raise local errors on their rank alone).
     ``cu_seqlens``: packed sequences - int ``[num_docs + 1]`` boundaries of the documents
     in the GLOBAL sequence, the same on every rank; a token attends only inside its own
     document (``layout="document_zigzag"`` balances causal work for any document mix).

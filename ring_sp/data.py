@@ -9,18 +9,25 @@ Any length: a batch whose length is not a multiple of the layout's unit
 (:func:`ring_sp.layouts.layout_unit`) is padded at its END, and the padding is its own
 document (``cu_seqlens`` gains one last boundary): no real token attends to it, its labels
 are ignored, and ``gather_sequence(..., seq_len=real length)`` drops it again.
+
+Checking a shard where it is used (no communication): :func:`shard_positions_error` says
+whether positions are exactly those :func:`shard_batch` gives a rank (:func:`shard_positions`),
+and :func:`token_checksum` fingerprints ids, labels or positions without a host sync.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from .layouts import Boundaries, as_boundaries, check_boundaries, check_layout, padded_length
+from .layouts import (Boundaries, as_boundaries, check_boundaries, check_layout, layout_index, layout_key,
+                      padded_length)
 from .sequence_shards import shard_sequence
 
 IGNORE_INDEX = -100
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads the weights of token_checksum
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
@@ -40,6 +47,48 @@ def document_positions(cu_seqlens: Boundaries, device: torch.device | str = "cpu
     starts = torch.tensor(cu_seqlens[:-1], device=device)
     lengths = torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])], device=device)
     return torch.arange(cu_seqlens[-1], device=device) - starts.repeat_interleave(lengths)
+
+
+def token_checksum(values: torch.Tensor) -> torch.Tensor:
+    """Order-sensitive int64 checksum of an integer tensor (ids, labels, positions): 0-d, on its
+    device, no host sync. The same on every device and process (int64 arithmetic wraps alike)."""
+    flat = values.reshape(-1).long() + 1  # zeros count too
+    mixed = flat * (torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * _GOLDEN)
+    return (mixed ^ (mixed >> 29)).sum()
+
+
+@functools.lru_cache(maxsize=64)
+def shard_positions(layout: str, world_size: int, global_len: int, boundaries: Boundaries | None, rank: int,
+                    device: torch.device) -> torch.Tensor:
+    """The ``position_ids`` :func:`shard_batch` gives ``rank`` (``[global_len / world_size]``, cached,
+    read-only): global positions in layout order, restarting at 0 in every document."""
+    index = layout_index(layout, world_size, global_len, layout_key(layout, boundaries), rank, device)
+    return index if boundaries is None else document_positions(boundaries, device)[index]
+
+
+def shard_positions_error(position_ids: torch.Tensor, *, layout: str, rank: int, world_size: int,
+                          cu_seqlens: torch.Tensor | Sequence[int] | None = None, where: str = "the shard") -> ValueError | None:
+    """None when ``position_ids`` ``[b, n]`` are exactly the positions :func:`shard_batch` gives SP
+    rank ``rank`` of a batch of ``n x world_size`` tokens with documents ``cu_seqlens`` (global
+    positions in layout order, restarting at 0 in every document), else the ``ValueError`` to
+    raise: ``cu_seqlens`` dropped, added, of another batch or with a boundary moved, positions
+    local or another rank's. Local (one host sync); the caller decides how to raise it
+    (:func:`ring_sp.agreement.raise_at_next_agreement` for every rank)."""
+    n = position_ids.shape[-1]
+    boundaries = as_boundaries(cu_seqlens)
+    try:
+        check_layout(layout, world_size, n * world_size, name=f"{where}'s global length", cu_seqlens=boundaries)
+        expected = shard_positions(layout, world_size, n * world_size, boundaries, rank, position_ids.device)
+    except (TypeError, ValueError) as exc:
+        return ValueError(f"{where}: cu_seqlens do not fit the shard of {n} tokens per rank on {world_size} ranks: {exc}")
+    if position_ids.dim() == 2 and torch.equal(position_ids.long(), expected.expand_as(position_ids)):
+        return None
+    documents = f"restarting at 0 in each of the {len(boundaries) - 1} documents of cu_seqlens" if boundaries else \
+        "0..N-1 over the whole row, as no cu_seqlens were given"
+    return ValueError(
+        f"{where}: position_ids are not the global positions layout={layout!r} puts on SP rank {rank} ({documents}): "
+        f"cu_seqlens dropped, added, moved or of another batch, or positions local or another rank's; pass the "
+        f"position_ids and cu_seqlens of this rank's shard_batch(batch, rank={rank}, world_size={world_size}, ...)")
 
 
 def shard_batch(

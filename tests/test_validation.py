@@ -90,3 +90,74 @@ def test_ulysses_head_and_layout_errors(pools) -> None:
         assert "q heads (3) must be divisible by ulysses_size (2)" in messages[0]
         assert "k/v heads (3) and ulysses_size (2) must divide one another" in messages[1]
         assert "layout='striped' cannot be combined with ulysses_size=2 and ring_size=2" in messages[2]
+
+
+# ---- issue 31: validation on by default, errors carried to the next agreement, shard checks --------
+
+@pytest.mark.parametrize("env,validate,want", [(None, None, True), ("1", None, True), ("0", None, False),
+                                               ("false", None, False), (" OFF ", None, False), ("0", True, True),
+                                               (None, False, False)])
+def test_validation_is_on_by_default(monkeypatch, env: str | None, validate: bool | None, want: bool) -> None:
+    from ring_sp.agreement import ENV_FLAG, validation_requested
+
+    if env is None:
+        monkeypatch.delenv(ENV_FLAG, raising=False)
+    else:
+        monkeypatch.setenv(ENV_FLAG, env)
+    assert validation_requested(validate) is want
+
+
+def test_every_signature_has_one_width() -> None:
+    """Every agreement on a group exchanges one size, so calls out of step pair up and say so."""
+    from ring_sp.agreement import WIDTH, CallSignature
+
+    q, k, v = _qkv()
+    attention = CallSignature.of(q, k, v, causal=True, layout="zigzag", softmax_scale=None, backend="auto",
+                                 ulysses_size=2, ring_size=2, cu_seqlens=(0, 5, 16), sinks=torch.zeros(4),
+                                 sliding_window=3, kv_exchange="ring")
+    loss = CallSignature.named("loss", (1, 2, 3), "a loss")
+    assert len(attention.values) == len(loss.values) == WIDTH and attention.values[0] != loss.values[0]
+
+
+def test_an_error_kept_for_the_next_agreement_raises_here_without_one() -> None:
+    """A group of one rank has no agreement: the kept error is raised when the block ends."""
+    from ring_sp.agreement import defer, raise_at_next_agreement
+
+    assert not defer(ValueError("outside any block"))
+    with pytest.raises(ValueError, match="first"):
+        with raise_at_next_agreement():
+            assert defer(ValueError("first")) and defer(ValueError("second"))
+    with pytest.raises(KeyError):  # an exception of the block itself wins
+        with raise_at_next_agreement(ValueError("kept")):
+            raise KeyError("body")
+    with raise_at_next_agreement(None):
+        pass
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous", "document_zigzag"])
+def test_shard_positions_error_finds_cu_seqlens_that_do_not_fit(layout: str) -> None:
+    """The DeepSpeed GPT example's check of its cu_seqlens (tests/test_malformed runs it on 4 ranks)."""
+    from ring_sp.data import shard_positions_error
+
+    docs = (0, 5, 16, 19, 32)
+    wrong_docs = [(0, 5, 17, 19, 32), (0, 8, 24, 32)] + ([] if layout == "document_zigzag" else [None])
+    found: dict[object, list] = {cu: [] for cu in wrong_docs}
+    for rank in range(4):
+        shard = ring_sp.shard_batch({"input_ids": torch.zeros(2, 32, dtype=torch.long)}, rank=rank, world_size=4,
+                                    layout=layout, cu_seqlens=docs)
+        positions = shard["position_ids"]
+        assert shard_positions_error(positions, layout=layout, rank=rank, world_size=4, cu_seqlens=docs) is None
+        other_rank = shard_positions_error(positions, layout=layout, rank=(rank + 1) % 4, world_size=4, cu_seqlens=docs)
+        assert "position_ids are not the global positions" in str(other_rank)
+        for cu in wrong_docs:
+            found[cu].append(shard_positions_error(positions, layout=layout, rank=rank, world_size=4, cu_seqlens=cu))
+    for cu, errors in found.items():  # the ranks holding the tokens they move see it (the agreement tells the rest)
+        assert any("position_ids are not the global positions" in str(e) for e in errors if e is not None), (cu, errors)
+
+
+def test_token_checksum_sees_order_and_zeros() -> None:
+    from ring_sp.data import token_checksum
+
+    ids = torch.tensor([[0, 1, 2, 3]])
+    sums = {token_checksum(t).item() for t in (ids, ids.flip(-1), torch.zeros_like(ids), torch.zeros(1, 5, dtype=torch.long))}
+    assert len(sums) == 4 and token_checksum(ids).item() == token_checksum(ids.clone().int()).item()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from ring_sp import SequenceParallelTopology, sequence_parallel_cross_entropy
 from ring_sp.data import IGNORE_INDEX
 from ring_sp.integrations.gradient_reduction import gradients_averaged_over_sp
+from ring_sp.integrations.transformers.loss import check_loss_inputs  # imports no transformers
 
 
 def _engine_topology(engine: Any) -> SequenceParallelTopology:
@@ -35,12 +36,13 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, engine: Any, *, ig
 
     logits ``[b, n, vocab]``, labels ``[b, n]``: this rank's shard, labels already shifted
     (``topology.shard_batch``). Returns a 0-d tensor, equal on every SP rank, whose
-    backward, once ``engine`` has reduced it, gives the exact full-sequence gradients.
+    backward, once ``engine`` has reduced it, gives the exact full-sequence gradients. A shape
+    error on one rank is raised on every rank (one small agreement before the all-reduce).
     """
-    return sequence_parallel_cross_entropy(
-        logits, labels, group=_engine_topology(engine).sp_group, ignore_index=ignore_index,
-        gradients_averaged_over_sp=gradients_averaged_over_sp(engine),
-    )
+    group, averaged = _engine_topology(engine).sp_group, gradients_averaged_over_sp(engine)
+    check_loss_inputs(logits, labels, group, ignore_index=ignore_index, averaged=averaged, name="labels")  # on every rank
+    return sequence_parallel_cross_entropy(logits, labels, group=group, ignore_index=ignore_index,
+                                           gradients_averaged_over_sp=averaged)
 
 
 def evaluation_loss(batches: Any, loss_sum_of: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],

@@ -11,6 +11,12 @@ registries:
   builds an ``N x N`` (or even ``n x n``) mask; it also runs the model-wide checks once per
   forward, before the first layer and so before any collective.
 
+and guards ``PreTrainedModel.__call__`` (:func:`_guard_forward`): a ring_sp model's inputs
+(``labels=``, ``input_ids``, ``shift_labels``) are checked against the shard's fingerprint
+before its forward. Every error found on one rank (there, in the mask hook, or in the
+attention's shard check) is raised on every rank of the SP group by the first attention
+call's agreement (:mod:`ring_sp.agreement`), before any other collective.
+
 transformers' registries are global, so the registration is too: one topology (and one
 layout/backend) serves every model using ``"ring_sp"``; registering again replaces it.
 """
@@ -19,19 +25,23 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ring_sp import SequenceParallelTopology, hybrid_attention
+from ring_sp.agreement import defer, raise_at_next_agreement, shard_values
 from ring_sp.attention import raise_on_every_rank
 from ring_sp.layouts import Boundaries, as_boundaries, check_grid_layout
 from ring_sp.integrations.versions import require_supported
 from ring_sp.validation import check_kv_exchange, check_options
 
-from .features import UnsupportedFeatureError, check_mask_call, check_model_config, model_name, ring_sp_call_options
-from .shards import SHARD_KEY, check_shard
+from .features import (UnsupportedFeatureError, check_mask_call, check_model_config, labels_error, model_name,
+                       ring_sp_call_options)
+from .shards import SHARD_KEY, agreed_values, check_shard, inputs_error, remember
 
 ATTN_IMPLEMENTATION = "ring_sp"
 
@@ -75,23 +85,27 @@ class RingSPAttention:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        options = ring_sp_call_options(module, query, key, attention_mask, kwargs, layout=reg.layout,
-                                       backend=reg.backend, boundaries=self._boundaries)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [b, h, n, d] -> ring_sp [b, n, h, d]
         mark, positions = kwargs.get(SHARD_KEY), kwargs.get("position_ids")
-        seen = (mark, positions, tuple(t._version for t in (mark, positions) if isinstance(t, torch.Tensor)),
-                options["cu_seqlens"], options["layout"])
-        last = self._checked
-        if not (last and seen[0] is last[0] and seen[1] is last[1] and seen[2:] == last[2:]):
-            # every layer gets the same tensors: check once per forward, before the first collective
+        with shard_values(agreed_values(mark)):  # the global batch, compared across ranks on every call
             try:
-                check_shard(mark, positions, batch=q.shape[0], local_len=q.shape[1], layout=options["layout"],
-                            boundaries=options["cu_seqlens"], topology=reg.topology,
-                            where=model_name(getattr(module, "config", None)))
+                options = ring_sp_call_options(module, query, key, attention_mask, kwargs, layout=reg.layout,
+                                               backend=reg.backend, boundaries=self._boundaries)
             except (TypeError, ValueError) as exc:
-                raise_on_every_rank(exc, q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, **options)
-            self._checked = seen
-        return hybrid_attention(q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, **options), None
+                raise_on_every_rank(exc, q, k, v, topology=reg.topology, layout=reg.layout, backend=reg.backend)
+            seen = (mark, positions, tuple(t._version for t in (mark, positions) if isinstance(t, torch.Tensor)),
+                    options["cu_seqlens"], options["layout"])
+            last = self._checked
+            if not (last and seen[0] is last[0] and seen[1] is last[1] and seen[2:] == last[2:]):
+                # every layer gets the same tensors: check once per forward, before the first collective
+                try:
+                    check_shard(mark, positions, batch=q.shape[0], local_len=q.shape[1], layout=options["layout"],
+                                boundaries=options["cu_seqlens"], topology=reg.topology,
+                                where=model_name(getattr(module, "config", None)))
+                except (TypeError, ValueError) as exc:
+                    raise_on_every_rank(exc, q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, **options)
+                self._checked = seen
+            return hybrid_attention(q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, **options), None
 
     def mask(self, *, attention_mask: torch.Tensor | None = None, q_length: int = 0, kv_length: int = 0,
              q_offset: Any = 0, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
@@ -100,7 +114,11 @@ class RingSPAttention:
         With an SP group of ONE rank, a KV cache (generation) or a padding mask gets sdpa's own
         mask, and the attention hands those calls to sdpa: the sequence is whole, so that is exact.
         """
-        check_model_config(config)
+        try:
+            check_model_config(config)
+        except ValueError as exc:
+            if not defer(exc):  # inside a forward of register()'s guard: raised on every rank by the first layer
+                raise
         cached = kv_length != q_length or isinstance(q_offset, torch.Tensor) or q_offset != 0
         padded = attention_mask is not None and not bool(attention_mask.all())
         if self.registration.topology.sp_size == 1 and (cached or padded):
@@ -108,7 +126,11 @@ class RingSPAttention:
 
             return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                              config=config, **kwargs)
-        check_mask_call(config, attention_mask, q_length, kv_length, q_offset)
+        try:
+            check_mask_call(config, attention_mask, q_length, kv_length, q_offset)
+        except ValueError as exc:
+            if not defer(exc):
+                raise
         return None
 
 
@@ -143,6 +165,7 @@ def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", back
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, attention.mask)
     _guard_generate()
+    _guard_forward()
     return ATTN_IMPLEMENTATION
 
 
@@ -156,25 +179,75 @@ def _guard_generate() -> None:
     """
     from transformers.generation.utils import GenerationMixin
 
-    generate = GenerationMixin.generate
-    if getattr(generate, "_ring_sp_guard", False):
+    def guard(generate: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            current = registration()
+            if uses_ring_sp(self) and current is not None and current.topology.sp_size > 1:
+                raise UnsupportedFeatureError(
+                    f"{model_name(getattr(self, 'config', None))} cannot generate() with attn_implementation="
+                    f'"{ATTN_IMPLEMENTATION}" on {current.topology.sp_size} sequence-parallel ranks (every rank holds '
+                    f"the whole prompt, the attention expects this rank's shard); switch the attention for generation: "
+                    f'model.set_attn_implementation("sdpa"), generate, then model.set_attn_implementation('
+                    f'"{ATTN_IMPLEMENTATION}") to train on'
+                )
+            return generate(self, *args, **kwargs)
+
+        return guarded
+
+    _wrap_once(GenerationMixin, "generate", guard)
+
+
+def _wrap_once(owner: type, name: str, guard: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``owner.name`` by ``guard(owner.name)`` (with its name and docstring), once."""
+    original = getattr(owner, name)
+    if getattr(original, "_ring_sp_guard", False):
         return
-
-    @functools.wraps(generate)
-    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        current = registration()
-        if uses_ring_sp(self) and current is not None and current.topology.sp_size > 1:
-            raise UnsupportedFeatureError(
-                f"{model_name(getattr(self, 'config', None))} cannot generate() with attn_implementation="
-                f'"{ATTN_IMPLEMENTATION}" on {current.topology.sp_size} sequence-parallel ranks (every rank holds the '
-                f"whole prompt, the attention expects this rank's shard); switch the attention for generation: "
-                f'model.set_attn_implementation("sdpa"), generate, then model.set_attn_implementation('
-                f'"{ATTN_IMPLEMENTATION}") to train on'
-            )
-        return generate(self, *args, **kwargs)
-
+    guarded = functools.wraps(original)(guard(original))
     guarded._ring_sp_guard = True
-    GenerationMixin.generate = guarded
+    setattr(owner, name, guarded)
+
+
+_IN_FORWARD: ContextVar[bool] = ContextVar("ring_sp_in_forward", default=False)
+
+
+def _guard_forward() -> None:
+    """Every forward of a ring_sp model over more than one SP rank checks its inputs first.
+
+    Wraps ``PreTrainedModel.__call__`` once (as :func:`_guard_generate` wraps ``generate``), so
+    no model escapes it, whether it went through ``rsp_ds.initialize``, the Trainer or neither:
+    ``labels=`` (transformers' loss would shift them inside this rank's shard and average over
+    this rank) and ``input_ids`` / ``shift_labels`` that are not the ones the shard's fingerprint
+    was cut with (:func:`.shards.inputs_error`). An error found here is not raised here: the
+    forward goes on (without ``labels``) to its first attention call, whose agreement raises it
+    on every rank of the SP group (``ring_sp.agreement.raise_at_next_agreement``), so a rank
+    that alone is wrong does not leave its peers waiting. Other models pass through.
+    """
+    from transformers import PreTrainedModel
+
+    def guard(call: Callable[..., Any]) -> Callable[..., Any]:
+        def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+            current = registration()
+            if _IN_FORWARD.get() or current is None or current.topology.sp_size == 1 or not uses_ring_sp(self):
+                return call(self, *args, **kwargs)
+            where = model_name(getattr(self, "config", None))
+            error = None
+            if kwargs.get("labels") is not None:
+                error = labels_error(where, kwargs.pop("labels"), kwargs.get("shift_labels"), current.topology.sp_size)
+            mark = kwargs.get(SHARD_KEY)
+            error = error or inputs_error(mark, kwargs.get("input_ids", args[0] if args else None),
+                                          kwargs.get("shift_labels"), where)
+            token = _IN_FORWARD.set(True)
+            try:
+                with raise_at_next_agreement(error):
+                    out = call(self, *args, **kwargs)
+            finally:
+                _IN_FORWARD.reset(token)
+            remember(getattr(out, "logits", None), mark)  # for causal_lm_loss's check of its labels
+            return out
+
+        return guarded
+
+    _wrap_once(PreTrainedModel, "__call__", guard)
 
 
 def registration() -> Registration | None:

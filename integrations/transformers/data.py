@@ -31,7 +31,7 @@ from ring_sp.layouts import Boundaries, as_boundaries, layout_unit
 
 from .attention import registration
 from .features import layout_for
-from .shards import SHARD_KEY, fingerprint
+from .shards import SHARD_KEY, batch_checksum, fingerprint
 
 _FLASH_LENGTHS = ("max_length_q", "max_length_k")  # DataCollatorWithFlattening's, recomputed by nobody here
 
@@ -95,8 +95,8 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
     to :func:`register`.
 
     Returns ``input_ids``, ``position_ids`` (global, in layout order) and ``shift_labels``,
-    each ``[b, N / sp_size]``, and ``"ring_sp_shard"``: int64 ``[7]``, which rank, topology,
-    layout, batch and positions the shard was cut for (the attention checks it, so a shard
+    each ``[b, N / sp_size]``, and ``"ring_sp_shard"``: int64 ``[10]``, which rank, topology,
+    layout, batch, positions, tokens and labels the shard was cut for (the attention checks it, so a shard
     run where it does not belong raises instead of computing a wrong answer; see
     :mod:`.shards`). Packed documents (positions restarting), or a length ``N``
     that is not a multiple of :func:`ring_sp.layouts.layout_unit` (each row then one
@@ -141,6 +141,7 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
     layout = layout_for(layout, packed=boundaries is not None)
     if boundaries is not None:
         full = {key: value.reshape(1, b * n, *value.shape[2:]) for key, value in full.items()}  # one packed row
+    batch_sum = batch_checksum(full["input_ids"], full.get("labels", full["input_ids"]))  # the same on every rank
     shard = ring_sp_shard_batch(full, rank=sp_rank, world_size=sp_size, layout=layout, shift=True, cu_seqlens=boundaries,
                                 pad_id=pad_id)
     shard["shift_labels"] = shard.pop("labels")
@@ -149,7 +150,8 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
         shard["cu_seq_lens_q"] = shard["cu_seq_lens_k"] = cu.to(device=input_ids.device, dtype=torch.int32)
     shard[SHARD_KEY] = fingerprint(sp_size=sp_size, sp_rank=sp_rank, layout=layout,
                                    global_len=shard["input_ids"].shape[1] * sp_size, boundaries=as_boundaries(cu),
-                                   position_ids=shard["position_ids"])
+                                   position_ids=shard["position_ids"], input_ids=shard["input_ids"],
+                                   shift_labels=shard["shift_labels"], batch=batch_sum)
     return shard
 
 

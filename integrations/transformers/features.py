@@ -158,24 +158,31 @@ def forbid_labels(model: torch.nn.Module, sp_size: int) -> None:
     average over this rank's tokens only: a wrong loss without a word. The exact loss takes
     the shard's ``shift_labels`` (shifted on the whole sequence by ``shard_batch``) in
     :func:`ring_sp.integrations.transformers.causal_lm_loss`. A forward pre-hook, installed
-    once; ``sp_size == 1`` installs nothing (the model's own loss is exact then).
+    once; ``sp_size == 1`` installs nothing (the model's own loss is exact then). ``register``'s
+    forward guard checks the same for every ring_sp model, hooked or not (and raises on every
+    rank); this hook stays for a model whose forward is called past that guard.
     """
     if sp_size == 1 or getattr(model, "_ring_sp_forbids_labels", False):
         return
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if kwargs.get("labels") is not None:
-            shifted = "" if kwargs.get("shift_labels") is not None else " (and no shift_labels)"
-            raise ValueError(
-                f"{model_name(getattr(module, 'config', None))} was given labels={_short(kwargs['labels'])}{shifted} "
-                f"while it runs on {sp_size} sequence-parallel ranks: transformers' loss would shift them inside this "
-                f"rank's shard (unshifted where shifted are expected) and average over this rank only; pass no labels "
-                f"and compute the loss with ring_sp.integrations.transformers.causal_lm_loss(logits, "
-                f"shard['shift_labels'], ...) on the shard of shard_batch"
-            )
+            raise labels_error(model_name(getattr(module, "config", None)), kwargs["labels"], kwargs.get("shift_labels"),
+                               sp_size)
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     model._ring_sp_forbids_labels = True
+
+
+def labels_error(where: str, labels: object, shift_labels: object, sp_size: int) -> ValueError:
+    """The error of ``labels=`` given to a model that runs on ``sp_size > 1`` SP ranks."""
+    shifted = "" if shift_labels is not None else " (and no shift_labels)"
+    return ValueError(
+        f"{where} was given labels={_short(labels)}{shifted} while it runs on {sp_size} sequence-parallel ranks: "
+        f"transformers' loss would shift them inside this rank's shard (unshifted where shifted are expected) and "
+        f"average over this rank only; pass no labels and compute the loss with "
+        f"ring_sp.integrations.transformers.causal_lm_loss(logits, shard['shift_labels'], ...) on the shard of shard_batch"
+    )
 
 
 def _short(x: object) -> str:
@@ -192,5 +199,5 @@ def layout_for(layout: str, *, packed: bool) -> str:
     return layout
 
 
-__all__ = ["UnsupportedFeatureError", "check_mask_call", "check_model_config", "forbid_labels", "layout_for", "model_name",
-           "ring_sp_call_options"]
+__all__ = ["UnsupportedFeatureError", "check_mask_call", "check_model_config", "forbid_labels", "labels_error", "layout_for",
+           "model_name", "ring_sp_call_options"]

@@ -2,17 +2,21 @@
 
 A malformed shard must fail, never compute a wrong number. What the attention can see of a
 shard is its ``position_ids`` and ``cu_seq_lens_q/k``; what it cannot see is which batch,
-rank, topology and layout the shard was cut for. So :func:`..shard_batch` adds one more
-key, ``"ring_sp_shard"`` (int64 ``[7]``, passed through ``model(**shard)`` to the attention
-like ``cu_seq_lens_*``), and :func:`check_shard` compares it with the call, once per
-forward, before the first collective:
+rank, topology and layout the shard was cut for, nor its tokens and labels. So
+:func:`..shard_batch` adds one more key, ``"ring_sp_shard"`` (int64 ``[10]``, passed through
+``model(**shard)`` to the attention like ``cu_seq_lens_*``), which the checks compare:
 
-* the SP size and this rank's SP rank (a shard of another topology, or another rank's);
-* the layout (``shard_batch`` with another layout than the registration's);
-* the document boundaries (``cu_seq_lens_*`` dropped, corrupted, or added);
-* the global length (a shard cut from another batch, or truncated);
-* a checksum of the positions (``position_ids`` dropped, so transformers numbers the
-  shard 0..n-1, shifted, or another rank's).
+* in the attention (:func:`check_shard`, once per forward, before the first collective):
+  the SP size and this rank's SP rank (a shard of another topology, or another rank's), the
+  layout, the document boundaries (``cu_seq_lens_*`` dropped, corrupted, or added), the
+  global length (a shard cut from another batch, or truncated), a checksum of the positions
+  (``position_ids`` dropped, shifted, or another rank's);
+* in the attention's agreement, on every call (:func:`agreed_values`): the global batch the
+  shard was cut from, the same on every rank (a rank fed another batch);
+* in the model's forward (:func:`inputs_error`, installed by ``register``): a checksum of
+  the shard's ``input_ids`` and, when given, ``shift_labels`` (another rank's, or unshifted);
+* in ``causal_lm_loss`` (:func:`loss_labels_error` with the fingerprint of the forward that made
+  the logits, :func:`fingerprint_of`): the labels' checksum.
 
 A shard built by hand has no fingerprint; then the positions must be exactly the GLOBAL
 ones the layout puts on this rank (``0..N-1`` over the whole row, or restarting at 0 in
@@ -23,32 +27,68 @@ another rank's shard. One host sync per forward either way.
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
+
 import torch
 
 from ring_sp import LAYOUTS, SequenceParallelTopology
 from ring_sp.agreement import _checksum
-from ring_sp.data import document_positions
-from ring_sp.layouts import Boundaries, layout_positions
+from ring_sp.data import shard_positions, token_checksum
+from ring_sp.layouts import Boundaries, check_layout
 
 SHARD_KEY = "ring_sp_shard"
-_MAGIC = 0x525350  # "RSP": tells a fingerprint from any other int64 [7] tensor
-_FIELDS = ("magic", "sp_size", "sp_rank", "layout", "global_len", "documents", "positions")
+_MAGIC = 0x525350  # "RSP": tells a fingerprint from any other int64 tensor
+_FIELDS = ("magic", "sp_size", "sp_rank", "layout", "global_len", "documents", "positions", "tokens", "labels", "batch")
+_AGREED = [_FIELDS.index(name) for name in ("global_len", "layout", "batch")]  # ring_sp.agreement.SHARD_WIDTH values
 _FIX = "pass the whole shard of ring_sp.integrations.transformers.shard_batch(batch, topology): model(**shard)"
+_recent: deque[tuple[weakref.ref, torch.Tensor]] = deque(maxlen=16)  # (logits, fingerprint) of recent forwards
 
 
 def positions_checksum(position_ids: torch.Tensor) -> torch.Tensor:
     """Order-sensitive int64 checksum of ``[b, n]`` positions (0-d, on their device; no sync)."""
-    weights = torch.arange(1, position_ids.numel() + 1, device=position_ids.device, dtype=torch.int64)
-    return (position_ids.reshape(-1).long() * weights).sum()  # int64 wraps alike on both sides
+    return token_checksum(position_ids)
+
+
+def batch_checksum(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The checksum of a GLOBAL batch (its ids and unshifted labels): equal on every rank given it."""
+    return token_checksum(input_ids) * 1000003 + token_checksum(labels)
 
 
 def fingerprint(*, sp_size: int, sp_rank: int, layout: str, global_len: int, boundaries: Boundaries | None,
-                position_ids: torch.Tensor) -> torch.Tensor:
-    """The ``"ring_sp_shard"`` entry: int64 ``[7]`` on the positions' device."""
-    head = torch.tensor([_MAGIC, sp_size, sp_rank, LAYOUTS.index(layout), global_len, _checksum(boundaries), 0],
+                position_ids: torch.Tensor, input_ids: torch.Tensor | None = None,
+                shift_labels: torch.Tensor | None = None, batch: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``"ring_sp_shard"`` entry: int64 ``[10]`` on the positions' device (-1: not recorded)."""
+    head = torch.tensor([_MAGIC, sp_size, sp_rank, LAYOUTS.index(layout), global_len, _checksum(boundaries), 0, -1, -1, -1],
                         dtype=torch.int64, device=position_ids.device)
     head[6] = positions_checksum(position_ids)
+    for field, value in (("tokens", input_ids), ("labels", shift_labels)):
+        if value is not None:
+            head[_FIELDS.index(field)] = token_checksum(value)
+    if batch is not None:
+        head[-1] = batch
     return head
+
+
+def _valid(mark: object) -> bool:
+    return isinstance(mark, torch.Tensor) and mark.shape == (len(_FIELDS),) and mark.dtype == torch.int64
+
+
+def agreed_values(mark: object) -> torch.Tensor | None:
+    """What every rank's fingerprint must share (global length, layout, global batch), for
+    :func:`ring_sp.agreement.shard_values`; None without a (well-formed) fingerprint."""
+    return mark[_AGREED] if _valid(mark) else None
+
+
+def remember(logits: object, mark: object) -> None:
+    """Note that ``logits`` came from a forward on the shard of fingerprint ``mark``."""
+    if isinstance(logits, torch.Tensor) and _valid(mark):
+        _recent.append((weakref.ref(logits), mark))
+
+
+def fingerprint_of(logits: torch.Tensor) -> torch.Tensor | None:
+    """The fingerprint of the shard a recent forward made ``logits`` from (the same tensor), or None."""
+    return next((mark for ref, mark in reversed(_recent) if ref() is logits), None)
 
 
 def _local_positions(position_ids: torch.Tensor) -> bool:
@@ -61,6 +101,42 @@ def _positions_error(where: str, position_ids: torch.Tensor | None, what: str) -
             f"{where}: position_ids are 0..{position_ids.shape[-1] - 1}, the shard's LOCAL positions (dropped from the "
             f"shard?), so RoPE would be wrong; pass the GLOBAL positions: {_FIX} (it holds position_ids)")
     return ValueError(f"{where}: position_ids {what}; {_FIX}")
+
+
+def inputs_error(mark: object, input_ids: object, shift_labels: object, where: str) -> ValueError | None:
+    """The model-level check: ``input_ids`` (and ``shift_labels`` when given to the model) are the
+    ones the fingerprint was cut with. None without a fingerprint. One host sync."""
+    if not _valid(mark) or not isinstance(input_ids, torch.Tensor):
+        return None
+    seen = [token_checksum(input_ids)]
+    if isinstance(shift_labels, torch.Tensor):
+        seen.append(token_checksum(shift_labels))
+    values = torch.cat((mark, torch.stack(seen).to(mark.device))).tolist()  # the one host sync
+    got, seen = dict(zip(_FIELDS, values)), values[len(_FIELDS):]
+    if got["global_len"] != input_ids.shape[-1] * got["sp_size"]:
+        return None  # a shard of another length: the attention's check_shard names it better
+    if got["tokens"] != -1 and seen[0] != got["tokens"]:
+        return ValueError(f"{where}: input_ids are not the shard's: its {SHARD_KEY!r} was cut for other tokens (input_ids "
+                          f"of another rank's shard, or of another batch); {_FIX}")
+    return None if len(seen) == 1 else _labels_mismatch(got, seen[1], "given to the model", where)
+
+
+def loss_labels_error(mark: torch.Tensor, shift_labels: torch.Tensor, where: str) -> ValueError | None:
+    """``shift_labels`` passed to the loss are those of the shard (fingerprint ``mark``) the logits
+    were made from. One host sync."""
+    values = torch.cat((mark, token_checksum(shift_labels).view(1).to(mark.device))).tolist()  # the one host sync
+    return _labels_mismatch(dict(zip(_FIELDS, values)), values[-1], "given to the loss", where)
+
+
+def _labels_mismatch(got: dict[str, int], seen: int, role: str, where: str) -> ValueError | None:
+    if got["labels"] == -1 or seen == got["labels"]:
+        return None
+    if seen == got["tokens"]:
+        return ValueError(
+            f"{where}: the shift_labels {role} equal the shard's input_ids: UNSHIFTED labels (shift_labels[t] must be the "
+            f"token at t + 1, shifted on the whole sequence before sharding); pass shard['shift_labels'] of shard_batch")
+    return ValueError(f"{where}: the shift_labels {role} are not the shard's (another rank's shard's, another batch's, or "
+                      f"shifted differently); pass shard['shift_labels'] of the same shard_batch as the model's inputs")
 
 
 def check_shard(mark: object, position_ids: torch.Tensor | None, *, batch: int, local_len: int, layout: str,
@@ -80,7 +156,7 @@ def check_shard(mark: object, position_ids: torch.Tensor | None, *, batch: int, 
         if sp_size > 1 and position_ids is not None:
             _check_hand_built(position_ids, layout, boundaries, topology, where)
         return
-    if not isinstance(mark, torch.Tensor) or mark.shape != (len(_FIELDS),) or mark.dtype != torch.int64:
+    if not _valid(mark):
         raise TypeError(f"{where}: {SHARD_KEY!r} must be the int64 [{len(_FIELDS)}] tensor shard_batch makes; got "
                         f"{type(mark).__name__}; {_FIX}")
     if position_ids is not None:  # one host sync for everything
@@ -123,13 +199,14 @@ def _check_hand_built(position_ids: torch.Tensor, layout: str, boundaries: Bound
                       topology: SequenceParallelTopology, where: str) -> None:
     """A shard without fingerprint: the positions must be exactly the global ones of this rank."""
     global_len = position_ids.shape[-1] * topology.sp_size
-    index = layout_positions(layout, topology.sp_size, global_len, boundaries)[topology.sp_rank]
-    expected = index if boundaries is None else document_positions(boundaries)[index]
-    if not torch.equal(position_ids, expected.to(position_ids.device).expand_as(position_ids)):
+    check_layout(layout, topology.sp_size, global_len, cu_seqlens=boundaries)
+    expected = shard_positions(layout, topology.sp_size, global_len, boundaries, topology.sp_rank, position_ids.device)
+    if not torch.equal(position_ids.long(), expected.expand_as(position_ids)):
         documents = "restarting at 0 in every document of cu_seq_lens_q" if boundaries is not None else \
             "0..N-1 over the whole row (positions restarting inside the row need cu_seq_lens_q/k)"
         raise _positions_error(where, position_ids, f"are not this rank's global positions under layout={layout!r} "
                                                     f"({documents})")
 
 
-__all__ = ["SHARD_KEY", "check_shard", "fingerprint", "positions_checksum"]
+__all__ = ["SHARD_KEY", "agreed_values", "batch_checksum", "check_shard", "fingerprint", "fingerprint_of", "inputs_error",
+           "loss_labels_error", "positions_checksum", "remember"]

@@ -22,13 +22,21 @@ restart per document, and ``--layout document_zigzag`` keeps every rank's work e
 Prints a progress bar (loss, tokens/s) on stderr and, with ``--log-json``, one JSON object
 per step on stdout. ``--eval-interval K`` adds, every K steps and after the last, the exact
 loss on held-out text (``{"step", "eval_loss"}``: the token mean over ``--eval-samples``
-samples, each once over the data-parallel replicas, ``ring_sp.integrations.deepspeed.evaluation_loss``). ``--save DIR`` / ``--load DIR`` use DeepSpeed checkpoints, which do
-not depend on ``U x R`` (the attention has no parameters): resume under another grid.
+samples, each once over the data-parallel replicas, ``ring_sp.integrations.deepspeed.evaluation_loss``).
+
+Checkpoints: ``--save DIR --save-interval K`` saves a DeepSpeed checkpoint every K steps and at
+the end; ``DIR/latest`` moves to a tag only once every rank has written it (atomically, so a
+rank killed while saving never leaves it naming a half-written tag). ``--load DIR`` resumes
+from ``latest``: parameters, optimizer, LR schedule and data position, so the run ends bitwise
+as one never stopped; the checkpoint does not depend on ``U x R`` (the attention has no
+parameters): resume under another grid of the same world size. A rank that dies makes the
+others stop with an error naming it (``--timeout-s`` bounds the wait on a rank that hangs).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import itertools
 import math
@@ -52,7 +60,11 @@ import ring_sp  # noqa: E402
 import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 from examples.common.data import (VOCAB_SIZE, PackedDocuments, TokenWindows, corpus_documents,  # noqa: E402
                                   corpus_tokens, split_corpus)
+from examples.common.faults import LostRanks, fault_from_env  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
+from ring_sp.integrations.deepspeed.engine import save_checkpoint  # noqa: E402
+from ring_sp.agreement import raise_at_next_agreement  # noqa: E402
+from ring_sp.data import shard_positions_error  # noqa: E402
 from ring_sp.offload import OffloadedCheckpoint  # noqa: E402
 from ring_sp.tiling import check_tile_tokens, tiled_linear_cross_entropy, tiled_map  # noqa: E402
 
@@ -218,12 +230,17 @@ class GPT(nn.Module):
         """
         cos, sin = rope_tables(position_ids, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.wte(input_ids)
-        for block in self.blocks:
-            if self.checkpointing and self.training:
-                run = self._checkpoint or functools.partial(checkpoint, use_reentrant=False)
-                x = run(block, x, cos, sin, cu_seqlens)
-            else:
-                x = block(x, cos, sin, cu_seqlens)
+        core = self.blocks[0].attn.core  # cu_seqlens must be the documents the global positions restart in:
+        error = None if core is None else shard_positions_error(  # else every rank raises at the first attention
+            position_ids, layout=core.layout, rank=core.topology.sp_rank, world_size=core.topology.sp_size,
+            cu_seqlens=cu_seqlens, where="GPT.forward")
+        with raise_at_next_agreement(error):
+            for block in self.blocks:
+                if self.checkpointing and self.training:
+                    run = self._checkpoint or functools.partial(checkpoint, use_reentrant=False)
+                    x = run(block, x, cos, sin, cu_seqlens)
+                else:
+                    x = block(x, cos, sin, cu_seqlens)
         x = self.ln_f(x)
         if labels is None:
             return self.lm_head(x)
@@ -283,6 +300,8 @@ def common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int, default=0,
                    help="every K steps (and after the last), the exact loss on held-out text; 0: never")
     p.add_argument("--eval-samples", type=int, default=16, help="held-out samples per evaluation")
+    p.add_argument("--timeout-s", type=float, default=300,
+                   help="process-group timeout: how long ranks wait on one that hangs (one that dies frees them at once)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
     return p
 
@@ -291,7 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = common_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--save", metavar="DIR", help="save a DeepSpeed checkpoint here every --save-interval steps and at the end")
     p.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
-    p.add_argument("--load", metavar="DIR", help="resume from the latest checkpoint in DIR")
+    p.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
+    p.add_argument("--log-memory", action="store_true", help="add every rank's resident memory (MiB) to the JSON lines")
     return p.parse_args(argv)
 
 
@@ -331,6 +351,12 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine decay to 10% at ``total``."""
     progress = min(1.0, step / max(1, total))
     return min(1.0, (step + 1) / max(1, warmup)) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def resident_mib() -> float:
+    """This process's resident memory now (Linux ``/proc/self/statm``), in MiB."""
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def start_rank(args: argparse.Namespace) -> None:
@@ -407,13 +433,16 @@ def main(argv: list[str] | None = None) -> None:
     start_rank(args)
     ds_config = ds_config_from_args(args)
     sp_config = rsp_ds.RingSPConfig.from_ds_config(ds_config)  # None only with "enabled": false
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               timeout=datetime.timedelta(seconds=args.timeout_s))  # ring_sp's groups inherit it
     topology = rsp_ds.build_topology(ds_config)  # before the model: its attention needs the groups
-    if topology is None:
-        deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     layout = "zigzag" if sp_config is None else sp_config.layout
     cfg = GPTConfig(d_model=args.d_model, n_layer=args.layers, n_head=args.heads, n_kv_head=args.kv_heads)
     model = GPT(cfg, topology, layout=layout, backend="auto" if sp_config is None else sp_config.backend)
     model.checkpointing = args.checkpoint_activations  # before initialize, which applies the section's tiling
+    fault = fault_from_env()  # the tests' injected kill (tests/test_resume.py); None otherwise
+    if fault is not None:
+        fault.arm(model.blocks[min(1, cfg.n_layer - 1)])
     n_params = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args.warmup, args.steps))
@@ -456,12 +485,27 @@ def main(argv: list[str] | None = None) -> None:
     def eval_sum_of(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return token_loss_sum(engine(batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens")), batch["labels"])
 
-    for step in range(start_step + 1, args.steps + 1):
-        progress.step(step, train_step(engine, batches, loss_of, dp_group), tokens=samples_per_step * args.seq_len)
-        if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps):
-            progress.log(step, eval_loss=eval_loss(engine, eval_loader, eval_sum_of, topology))
-        if args.save and (step == args.steps or (args.save_interval and step % args.save_interval == 0)):
-            engine.save_checkpoint(args.save, client_state={"step": step})
+    hint = (f"resume with --load {args.save}" if args.save else "save checkpoints with --save DIR --save-interval K "
+            "to resume after such a loss")
+    with LostRanks(hint) as lost:
+        for step in range(start_step + 1, args.steps + 1):
+            lost.at_step(step)
+            if fault is not None:
+                fault.at_step(step)
+            loss = train_step(engine, batches, loss_of, dp_group)
+            extra = {"rss_mib": all_ranks(resident_mib(), engine.device)} if args.log_memory else {}
+            progress.step(step, loss, tokens=samples_per_step * args.seq_len, **extra)
+            if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps):
+                progress.log(step, eval_loss=eval_loss(engine, eval_loader, eval_sum_of, topology))
+            if args.save and (step == args.steps or (args.save_interval and step % args.save_interval == 0)):
+                save_checkpoint(engine, args.save, tag=f"global_step{step}", client_state={"step": step})
+
+
+def all_ranks(value: float, device: torch.device) -> list[float]:
+    """``value`` of every rank, in rank order (one all-gather over the default group)."""
+    gathered = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor([value], dtype=torch.float64, device=device))
+    return [round(t.item(), 1) for t in gathered]
 
 
 if __name__ == "__main__":

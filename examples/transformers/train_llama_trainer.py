@@ -19,6 +19,11 @@ K steps (the exact eval loss, the token mean over ``--eval-samples`` samples). P
 and, with ``--log-json``, one ``{"step", "loss", "tokens_per_s"}`` per step on stdout
 (tokens/s counts ``seq_len`` per sample: an upper bound with ``--pack-documents``) and one
 ``{"step", "eval_loss"}`` per evaluation.
+
+Checkpoints: ``--save-steps K`` writes ``checkpoint-K, 2K, ...`` into ``--output-dir``, each
+marked complete only once every rank has written it; ``--resume`` continues from the newest
+complete one (``--resume checkpoint-N``: that one), bitwise as a run never stopped. A rank that
+dies makes the others stop with an error naming it (``--timeout-s`` bounds the wait on one that hangs).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, f
 
 import ring_sp.integrations.deepspeed as rsp_ds  # noqa: E402
 from examples.common.data import TokenWindows, corpus_documents, corpus_tokens, split_corpus  # noqa: E402
+from examples.common.faults import LostRanks, fault_from_env  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
 from examples.deepspeed.pretrain_gpt import common_args, ds_config_from_args  # noqa: E402
 from examples.transformers.pretrain_llama import llama_config  # noqa: E402  (the same small Llama)
@@ -58,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-dir", default="trainer_output", help="Trainer output_dir (written only with --save)")
     p.add_argument("--save", action="store_true", help="save_model() into --output-dir at the end (loads in plain transformers)")
     p.add_argument("--save-steps", type=int, default=0, help="a Trainer checkpoint (DeepSpeed state) every N steps; 0: none")
-    p.add_argument("--resume", metavar="CHECKPOINT", help="resume_from_checkpoint (a checkpoint-N folder of --save-steps)")
+    p.add_argument("--resume", nargs="?", const=True, metavar="CHECKPOINT",
+                   help="resume_from_checkpoint: alone, the newest complete checkpoint-N of --output-dir; or that folder")
     p.add_argument("--eval-steps", type=int, default=0,
                    help="evaluate on --eval-samples held-out samples every N steps (eval_strategy='steps'): the exact "
                         "eval loss; 0: never")
@@ -92,6 +100,17 @@ class Documents(torch.utils.data.Dataset):
         return {"input_ids": self.documents[index].tolist()}
 
 
+class StepWatch(TrainerCallback):
+    """Calls ``at_step(step)`` of each watcher as a training step begins (the step's number, from 1)."""
+
+    def __init__(self, *at_step: Callable[[int], None]) -> None:
+        self.at_step = at_step
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:  # noqa: ANN001 (Trainer's signature)
+        for call in self.at_step:
+            call(state.global_step + 1)
+
+
 class JsonProgress(TrainerCallback):
     """Replaces the Trainer's own bar: examples.common's tqdm bar and JSON lines, once per optimizer step."""
 
@@ -121,12 +140,15 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
         max_grad_norm=args.max_grad_norm, bf16=args.bf16, seed=args.seed, data_seed=args.seed, logging_steps=1,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, report_to="none",
         dataloader_drop_last=True, eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
-        per_device_eval_batch_size=args.micro_batch,
+        per_device_eval_batch_size=args.micro_batch, ddp_timeout=round(args.timeout_s),
     )
     topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
     torch.manual_seed(args.seed)
     attention = "sdpa" if topology is None else "ring_sp"  # ring_sp
     model = AutoModelForCausalLM.from_config(llama_config(args), attn_implementation=attention, dtype=torch.float32)
+    fault = fault_from_env()  # the tests' injected kill (tests/test_resume.py); None otherwise
+    if fault is not None:
+        fault.arm(model.model.layers[min(1, len(model.model.layers) - 1)])
     if args.pack_documents:  # Hugging Face's padding-free packing; ring_sp turns it into document masking
         documents = corpus_documents(args.corpus_bytes)
         cut = int(len(documents) * 0.95)  # the rest held out
@@ -149,14 +171,21 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
               file=sys.stderr)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(JsonProgress(args.steps, samples_per_step * args.seq_len, log_json=args.log_json))
+    if fault is not None:
+        trainer.add_callback(StepWatch(fault.at_step))
     trainer.ring_sp_example_args = args
     return trainer
 
 
 def main(argv: list[str] | None = None) -> None:
     trainer = build_trainer(argv)
-    trainer.train(resume_from_checkpoint=trainer.ring_sp_example_args.resume)
-    if trainer.ring_sp_example_args.save:
+    args = trainer.ring_sp_example_args
+    hint = (f"resume with --resume (the newest complete checkpoint of {args.output_dir})" if args.save_steps else
+            "save checkpoints with --save-steps K to resume after such a loss")
+    with LostRanks(hint) as lost:
+        trainer.add_callback(StepWatch(lost.at_step))
+        trainer.train(resume_from_checkpoint=args.resume)
+    if args.save:
         trainer.save_model()
 
 

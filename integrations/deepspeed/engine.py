@@ -267,6 +267,32 @@ def _enable_long_sequence(model: torch.nn.Module, sp: RingSPConfig) -> None:
                         f'"x=False" is "{SECTION}": {{"x": false}} in the config)') from exc
 
 
+def save_checkpoint(engine: Any, save_dir: str | os.PathLike, tag: str, client_state: Mapping[str, Any] | None = None) -> None:
+    """``engine.save_checkpoint`` whose ``latest`` never names a half-written tag (all ranks call it).
+
+    DeepSpeed 0.19 writes ``latest`` on rank 0 right after rank 0's own files, before the
+    other ranks finish theirs, with a plain ``open(..., "w")``: a rank killed while saving
+    leaves ``latest`` naming a tag with a missing or truncated shard. Here every rank writes
+    its files (``save_latest=False``), all wait at a barrier, and only then does rank 0 (the
+    node's local rank 0 with node-local storage) replace ``latest`` atomically.
+    """
+    engine.save_checkpoint(save_dir, tag=tag, client_state=dict(client_state or {}), save_latest=False)
+    dist.barrier()  # every rank's files of ``tag`` are written
+    writer = engine.local_rank if engine.use_node_local_storage() else dist.get_rank()
+    if writer == 0:
+        write_file_atomically(os.path.join(save_dir, "latest"), tag)
+
+
+def write_file_atomically(path: str | os.PathLike, text: str) -> None:
+    """``path`` holds ``text`` or its previous content, never a part: a temporary file, fsync, rename."""
+    temporary = f"{os.fspath(path)}.tmp{os.getpid()}"
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+
+
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     """The config ``deepspeed.initialize`` would use, or None when it would raise instead."""
     source = config if config is not None else config_params
@@ -279,4 +305,4 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
-__all__ = ["build_topology", "initialize", "load_config"]
+__all__ = ["build_topology", "initialize", "load_config", "save_checkpoint", "write_file_atomically"]

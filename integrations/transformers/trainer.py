@@ -36,6 +36,10 @@ JIT-compiling its C++ shared-memory op when ``TrainingArguments`` starts it
 
 * evaluation: ``evaluate()`` (also ``eval_strategy="steps"``) returns the exact eval loss,
   the token mean over the whole eval set (:meth:`SequenceParallelTrainer.evaluation_loop`).
+* checkpoints: a ``checkpoint-N`` folder gets a completion marker, written last by rank 0
+  once every rank has written its files; ``resume_from_checkpoint=True`` takes the newest
+  complete folder (a run killed while saving leaves a half-written one, which transformers
+  would take), a path without the marker is refused.
 
 Not supported (each raises when the Trainer is built): ``compute_metrics`` and ``predict()``
 without ``prediction_loss_only`` (the logits are sharded; raises when called),
@@ -46,13 +50,14 @@ or ``group_by_length`` sampling, IterableDatasets, accelerate's ``split_batches`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, rotate_checkpoints
 
 from ring_sp import SequenceParallelTopology, sequence_parallel_loss
 from ring_sp.data import IGNORE_INDEX
@@ -62,7 +67,8 @@ from ring_sp.integrations.versions import require_supported
 from .attention import ATTN_IMPLEMENTATION, registration, uses_ring_sp
 from .long_sequence import shard_loss_sum
 # the setup around the Trainer; SequenceParallelCollator and prepare_sequence_parallel are re-exported
-from .trainer_setup import SequenceParallelCollator, prepare_sequence_parallel, ring_sp_engine, unshard
+from .trainer_setup import (SequenceParallelCollator, complete_checkpoint, mark_checkpoint_complete,
+                            prepare_sequence_parallel, ring_sp_engine, unshard)
 
 _NO_LOGITS = (
     "the logits are sharded over the sequence-parallel ranks, so predictions and compute_metrics are not available; "
@@ -154,12 +160,33 @@ class SequenceParallelTrainer(Trainer):
                 raise ValueError(f"SequenceParallelTrainer does not support {name} with the {rsp_ds.SECTION!r} section; {fix}")
         return topology
 
-    # ---------------------------------------------------------------- engine
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    # ---------------------------------------------------------------- engine and checkpoints
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest COMPLETE checkpoint
+        (:func:`.trainer_setup.complete_checkpoint`), and a path must be one."""
         if self.ring_sp_topology is None:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        resume = complete_checkpoint(self.args.output_dir, resume_from_checkpoint)
         with ring_sp_engine():
-            return super().train(*args, **kwargs)
+            return super().train(resume, *args, **kwargs)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """``Trainer._save_checkpoint``, then the completion marker once every rank has written its
+        files; older checkpoints are rotated out (``save_total_limit``) only after that."""
+        if self.ring_sp_topology is None:
+            return super()._save_checkpoint(model, trial)
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        run_dir = self._get_output_dir(trial=trial)
+        mark_checkpoint_complete(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"),
+                                 self.state.global_step)
+        if self.args.should_save:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        return None
 
     # ---------------------------------------------------------------- evaluation
     def evaluation_loop(self, dataloader: torch.utils.data.DataLoader, description: str,

@@ -6,7 +6,10 @@
 * :func:`ring_sp_engine`: accelerate's ``deepspeed.initialize`` call routed to
   :func:`ring_sp.integrations.deepspeed.initialize` while the Trainer trains;
 * :func:`unshard`: accelerate's split of the batches over all ranks undone (the sampler
-  already splits over the ``DP`` replicas).
+  already splits over the ``DP`` replicas);
+* :func:`mark_checkpoint_complete` / :func:`complete_checkpoint`: a ``checkpoint-N`` folder
+  counts only once every rank has written it (transformers 5.18 writes the folder in place,
+  and ``resume_from_checkpoint=True`` would take the newest folder, even a half-written one).
 
 Importing this module (with DeepSpeed installed) keeps DeepSpeed's CPU backend from
 JIT-compiling its C++ shared-memory op when ``TrainingArguments`` starts it. The Trainer
@@ -18,14 +21,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ring_sp import SequenceParallelTopology
 from ring_sp.integrations import deepspeed as rsp_ds
+from ring_sp.integrations.deepspeed.engine import write_file_atomically
 from ring_sp.integrations.versions import require_supported
 
 from .attention import register, registration
@@ -136,4 +144,41 @@ def ring_sp_engine() -> Iterator[None]:
         deepspeed.initialize = original
 
 
-__all__ = ["SequenceParallelCollator", "prepare_sequence_parallel", "ring_sp_engine", "unshard"]
+COMPLETE_MARKER = "ring_sp_checkpoint_complete"  # written last, by rank 0, once every rank's files are written
+
+
+def mark_checkpoint_complete(folder: str, step: int) -> None:
+    """After every rank wrote its part of ``folder``: rank 0 writes :data:`COMPLETE_MARKER` atomically."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_file_atomically(os.path.join(folder, COMPLETE_MARKER), f"{step}\n")
+
+
+def complete_checkpoint(output_dir: str, resume: str | bool | None) -> str | None:
+    """``resume_from_checkpoint`` as the Trainer should take it: never a half-written folder.
+
+    ``True``: the newest ``checkpoint-N`` of ``output_dir`` holding :data:`COMPLETE_MARKER`
+    (half-written newer ones are skipped); a path: that folder, which must hold the marker;
+    ``None`` / ``False``: no resume.
+    """
+    if resume is None or resume is False:
+        return None
+    if resume is True:
+        pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+        names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+        steps = sorted(((int(m.group(1)), name) for name in names if (m := pattern.match(name))), reverse=True)
+        for _, name in steps:
+            if os.path.isfile(os.path.join(output_dir, name, COMPLETE_MARKER)):
+                return os.path.join(output_dir, name)
+        raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {output_dir!r} (folders: "
+                         f"{[name for _, name in steps]}; complete ones hold {COMPLETE_MARKER!r}, written last)")
+    if not os.path.isfile(os.path.join(resume, COMPLETE_MARKER)):
+        raise ValueError(
+            f"resume_from_checkpoint={resume!r} has no {COMPLETE_MARKER!r}: the run stopped while writing it, or it "
+            f"was not saved by SequenceParallelTrainer; resume_from_checkpoint=True takes the newest complete one "
+            f"(a folder known to be whole can be marked by creating that file)")
+    return resume
+
+
+__all__ = ["COMPLETE_MARKER", "SequenceParallelCollator", "complete_checkpoint", "mark_checkpoint_complete",
+           "prepare_sequence_parallel", "ring_sp_engine", "unshard"]

@@ -1,0 +1,129 @@
+"""A rank that dies mid-run: the error its peers raise, and the faults the tests inject.
+
+* :class:`LostRanks` (``with LostRanks(hint) as lost:`` around the training loop, on every
+  rank): each rank's host and pid are gathered once at the start. When the loop raises a
+  communication error (gloo: "Connection closed by peer [address]", a collective timeout),
+  the error is raised again naming the ranks whose processes are gone (those on this host:
+  gloo names an address, not a rank) and how to resume, chained to the original.
+* :func:`fault_from_env` (tests/test_resume.py): ``RING_SP_EXAMPLE_FAULT=kill:RANK:STEP``
+  makes rank RANK kill itself with SIGKILL in the middle of step STEP (in the forward, before
+  the armed block); ``half-save:RANK:STEP`` kills it halfway through writing its optimizer
+  shard of the step-STEP DeepSpeed checkpoint (half the bytes on disk). Unset: nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+FAULT_ENV = "RING_SP_EXAMPLE_FAULT"
+
+
+def _gone(pid: int) -> bool:
+    """The process ``pid`` of this host has exited (a zombie not yet reaped by its launcher counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+
+class LostRanks:
+    """Re-raises a communication error of the ``with`` body naming the ranks that died.
+
+    ``hint`` ends the message (how to resume); ``at_step`` (called by the loop) says where it was.
+    Errors with no dead rank on this host pass through unchanged.
+    """
+
+    def __init__(self, hint: str, *, wait_s: float = 2.0) -> None:
+        self.hint, self.wait_s, self.step = hint, wait_s, 0
+        self.rank, self.host = dist.get_rank(), socket.gethostname()
+        self.peers: list[tuple[str, int]] = [("", 0)] * dist.get_world_size()
+        dist.all_gather_object(self.peers, (self.host, os.getpid()))
+
+    def dead(self) -> list[int]:
+        """The ranks of this host whose processes are gone, waiting up to ``wait_s`` for one."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            dead = [rank for rank, (host, pid) in enumerate(self.peers)
+                    if rank != self.rank and host == self.host and _gone(pid)]
+            if dead or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
+
+    def at_step(self, step: int) -> None:
+        self.step = step
+
+    def __enter__(self) -> LostRanks:
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, traceback: object) -> None:
+        if not isinstance(error, RuntimeError):  # torch.distributed's errors are RuntimeErrors
+            return
+        dead = self.dead()
+        if not dead:
+            return
+        names = ", ".join(f"rank {rank} (pid {self.peers[rank][1]})" for rank in dead)
+        raise RuntimeError(f"rank {self.rank}: lost {names} in step {self.step}: its process is gone (killed?), "
+                           f"so this rank stops too; {self.hint}") from error
+
+
+class Fault:
+    """One injected fault on this rank (see the module docstring); ``at_step`` tells it the step."""
+
+    def __init__(self, kind: str, step: int) -> None:
+        if kind not in ("kill", "half-save"):
+            raise ValueError(f"{FAULT_ENV}: kind must be 'kill' or 'half-save'; got {kind!r}")
+        self.kind, self.step, self.current = kind, step, 0
+
+    def at_step(self, step: int) -> None:
+        self.current = step
+
+    def arm(self, block: torch.nn.Module) -> None:
+        """``kill``: die when ``block``'s forward starts in the step; ``half-save``: in the step's save."""
+        if self.kind == "kill":
+            block.register_forward_pre_hook(lambda *_: self._die(f"before the forward of {type(block).__name__}")
+                                            if self.current == self.step else None)
+            return
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        TorchCheckpointEngine.save = self._half_save(TorchCheckpointEngine.save)
+
+    def _half_save(self, save: Callable) -> Callable:
+        def half_save(engine: object, state_dict: object, path: str) -> None:
+            if self.current != self.step or "optim_states" not in os.path.basename(path):
+                return save(engine, state_dict, path)
+            buffer = io.BytesIO()
+            torch.save(state_dict, buffer)
+            with open(path, "wb") as handle:
+                handle.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            self._die(f"halfway through writing {path}")
+        return half_save
+
+    def _die(self, where: str) -> None:
+        print(f"[fault injection] rank {dist.get_rank()} kills itself (SIGKILL) in step {self.step}, {where}; "
+              f"t={time.time():.3f}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_from_env() -> Fault | None:
+    """This rank's fault from ``RING_SP_EXAMPLE_FAULT=KIND:RANK:STEP``, or None."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    kind, rank, step = spec.split(":")
+    return Fault(kind, int(step)) if int(rank) == dist.get_rank() else None

@@ -13,6 +13,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 MEGATRON_SPEC ?= megatron-core==0.16.1 einops
 TRANSFORMERS_SPEC ?= transformers==5.18.0 accelerate==1.15.0
+TRL_SPEC ?= trl==1.16.0 peft==0.21.2
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.ring_sp_installed
 
@@ -24,7 +25,7 @@ $(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet --no-build-isolation "$(DEEPSPEED_SPEC)" $(MEGATRON_SPEC) $(TRANSFORMERS_SPEC)
+	$(PIP) install --quiet --no-build-isolation "$(DEEPSPEED_SPEC)" $(MEGATRON_SPEC) $(TRANSFORMERS_SPEC) $(TRL_SPEC)
 	$(PIP) install --quiet --no-build-isolation -e ".[test]"
 	touch $@
 

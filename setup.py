@@ -46,6 +46,9 @@ setup(
         "deepspeed": [_requirement("deepspeed"), "tqdm>=4.60"],
         "megatron": [_requirement("megatron-core"), "einops", "tqdm>=4.60"],
         "transformers": [_requirement("transformers"), _requirement("accelerate"), "tqdm>=4.60"],
+        # TRL's SFTTrainer (SequenceParallelSFTTrainer); peft for LoRA; datasets comes with trl
+        "trl": [_requirement("trl"), _requirement("peft"), _requirement("transformers"), _requirement("accelerate"),
+                "tqdm>=4.60"],
         "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "numpy"],
         "bench": ["matplotlib>=3.5"],
     },

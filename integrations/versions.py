@@ -19,6 +19,8 @@ SUPPORTED: dict[str, tuple[str, str]] = {
     "accelerate": ("1.15.0", "1.16"),
     "deepspeed": ("0.19.8", "0.20"),
     "megatron-core": ("0.16.1", "0.17"),
+    "trl": ("1.16.0", "1.17"),  # SequenceParallelSFTTrainer (TRL's SFTTrainer and its fused LM head)
+    "peft": ("0.21.2", "0.22"),  # LoRA under SequenceParallelSFTTrainer (optional)
 }
 
 

@@ -9,7 +9,9 @@
 # Environment: NUM_RANKS (default 4 on CPU, the GPU count otherwise), PYTHON.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-python="${PYTHON:-python}"
+# PYTHON if set, else the project's .venv (make setup) when it exists, else python from PATH
+venv_python="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/.venv/bin/python"
+if [[ -n "${PYTHON:-}" ]]; then python="$PYTHON"; elif [[ -x "$venv_python" ]]; then python="$venv_python"; else python=python; fi
 
 if [[ "${1:-}" == "--cpu" ]]; then
     shift

@@ -25,6 +25,9 @@
 Importing this package does not import transformers: :func:`register` does. Nor does it
 import :mod:`ring_sp.integrations.deepspeed`, which builds on it; the Trainer under DeepSpeed
 (:mod:`.trainer`, with :mod:`.trainer_setup`) stands on both and is imported on its own.
+:class:`SequenceParallelSFTTrainer` (TRL's ``SFTTrainer``, :mod:`.sft_trainer`) is exported
+lazily: the first access to ``rsp_hf.SequenceParallelSFTTrainer`` imports it (and trl,
+transformers, DeepSpeed's integration); importing the package imports none of them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ from .data import document_boundaries, shard_batch
 from .features import UnsupportedFeatureError
 from .long_sequence import enable_long_sequence, long_sequence_config, model_loss
 from .loss import causal_lm_loss
+
+
+def __getattr__(name: str) -> object:
+    """``SequenceParallelSFTTrainer`` from :mod:`.sft_trainer`, imported on first access (it imports trl)."""
+    if name == "SequenceParallelSFTTrainer":
+        from .sft_trainer import SequenceParallelSFTTrainer
+
+        return SequenceParallelSFTTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

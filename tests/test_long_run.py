@@ -15,7 +15,7 @@ import pytest
 from test_resume import GPT, assert_ok, launch, needs_deepspeed
 
 STEPS = 1000
-MODEL = ["--seq-len", "128", "--d-model", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--micro-batch", "4",
+MODEL = ["--seq-len", "256", "--d-model", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--micro-batch", "4",
          "--steps", str(STEPS), "--log-json"]
 
 

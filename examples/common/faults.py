@@ -8,7 +8,8 @@
 * :func:`fault_from_env` (tests/test_resume.py): ``RING_SP_EXAMPLE_FAULT=kill:RANK:STEP``
   makes rank RANK kill itself with SIGKILL in the middle of step STEP (in the forward, before
   the armed block); ``half-save:RANK:STEP`` kills it halfway through writing its optimizer
-  shard of the step-STEP DeepSpeed checkpoint (half the bytes on disk). Unset: nothing.
+  shard of the step-STEP DeepSpeed checkpoint (half the bytes on disk); ``stop:RANK:STEP``
+  stops it with SIGSTOP where ``kill`` kills it (a hung rank: alive, never answering). Unset: nothing.
 """
 
 from __future__ import annotations
@@ -86,16 +87,16 @@ class Fault:
     """One injected fault on this rank (see the module docstring); ``at_step`` tells it the step."""
 
     def __init__(self, kind: str, step: int) -> None:
-        if kind not in ("kill", "half-save"):
-            raise ValueError(f"{FAULT_ENV}: kind must be 'kill' or 'half-save'; got {kind!r}")
+        if kind not in ("kill", "stop", "half-save"):
+            raise ValueError(f"{FAULT_ENV}: kind must be 'kill', 'stop' or 'half-save'; got {kind!r}")
         self.kind, self.step, self.current = kind, step, 0
 
     def at_step(self, step: int) -> None:
         self.current = step
 
     def arm(self, block: torch.nn.Module) -> None:
-        """``kill``: die when ``block``'s forward starts in the step; ``half-save``: in the step's save."""
-        if self.kind == "kill":
+        """``kill`` / ``stop``: when ``block``'s forward starts in the step; ``half-save``: in the step's save."""
+        if self.kind != "half-save":
             block.register_forward_pre_hook(lambda *_: self._die(f"before the forward of {type(block).__name__}")
                                             if self.current == self.step else None)
             return
@@ -115,9 +116,10 @@ class Fault:
         return half_save
 
     def _die(self, where: str) -> None:
-        print(f"[fault injection] rank {dist.get_rank()} kills itself (SIGKILL) in step {self.step}, {where}; "
-              f"t={time.time():.3f}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        how = "stops itself (SIGSTOP)" if self.kind == "stop" else "kills itself (SIGKILL)"
+        print(f"[fault injection] rank {dist.get_rank()} {how} in step {self.step}, {where}; t={time.time():.3f}",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP if self.kind == "stop" else signal.SIGKILL)
 
 
 def fault_from_env() -> Fault | None:

@@ -29,8 +29,11 @@ the end; ``DIR/latest`` moves to a tag only once every rank has written it (atom
 rank killed while saving never leaves it naming a half-written tag). ``--load DIR`` resumes
 from ``latest``: parameters, optimizer, LR schedule and data position, so the run ends bitwise
 as one never stopped; the checkpoint does not depend on ``U x R`` (the attention has no
-parameters): resume under another grid of the same world size. A rank that dies makes the
-others stop with an error naming it (``--timeout-s`` bounds the wait on a rank that hangs).
+parameters): resume under another grid of the same world size. On another number of ranks,
+convert it first (``python -m deepspeed.checkpoint.ds_to_universal --input_folder DIR/global_stepN
+--output_folder DIR/global_stepN_universal --inject_missing_state``) and add ``--load-universal``.
+A rank that dies makes the others stop with an error naming it (``--timeout-s`` bounds the
+wait on a rank that hangs).
 """
 
 from __future__ import annotations
@@ -300,6 +303,9 @@ def common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--eval-interval", type=int, default=0,
                    help="every K steps (and after the last), the exact loss on held-out text; 0: never")
     p.add_argument("--eval-samples", type=int, default=16, help="held-out samples per evaluation")
+    p.add_argument("--load-universal", action="store_true",
+                   help='resume from a DeepSpeed universal checkpoint (ds_to_universal; "checkpoint": {"load_universal": '
+                        "true}): another number of ranks")
     p.add_argument("--timeout-s", type=float, default=300,
                    help="process-group timeout: how long ranks wait on one that hangs (one that dies frees them at once)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by launchers
@@ -334,6 +340,8 @@ def ds_config_from_args(args: argparse.Namespace) -> dict:
         config.pop("train_batch_size", None)  # let DeepSpeed derive it from the data-parallel size
     if args.bf16:
         config["bf16"] = {"enabled": True}
+    if args.load_universal:
+        config.setdefault("checkpoint", {})["load_universal"] = True
     return config
 
 

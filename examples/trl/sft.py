@@ -24,13 +24,14 @@ Prints a tqdm bar (loss, tokens/s) on stderr and, with ``--log-json``, one JSON 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from datasets import Dataset
+from datasets import Dataset, disable_progress_bars
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedTokenizerFast, TrainerCallback)
 from transformers.trainer_callback import ProgressCallback
@@ -59,17 +60,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=["llama", "mistral"], default="llama",
                    help="mistral: a sliding window (--sliding-window) in every layer")
     p.add_argument("--sliding-window", type=int, default=24)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--max-length", type=int, default=256, help="SFTConfig.max_length: the GLOBAL packed row length")
+    p.add_argument("--max-length", type=int, default=512, help="SFTConfig.max_length: the GLOBAL packed row length")
     p.add_argument("--packing", choices=["bfd", "bfd_split", "wrapped", "none"], default="bfd")
     p.add_argument("--data", choices=["text", "prompt-completion"], default="text")
-    p.add_argument("--documents", type=int, default=400, help="docstrings in the training set")
+    p.add_argument("--documents", type=int, default=1200, help="docstrings in the training set")
     p.add_argument("--lora", action="store_true", help="train a PEFT LoRA adapter (r=8) on the attention projections")
     p.add_argument("--loss-type", choices=["nll", "dft"], default="nll")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--micro-batch", type=int, default=2, help="packed rows per micro-batch per data-parallel replica")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--optim", default="adamw_torch")
@@ -79,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off here (faster on CPU)")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs)")
     p.add_argument("--eval-steps", type=int, default=0, help="evaluate every N steps (the exact eval loss); 0: never")
-    p.add_argument("--eval-documents", type=int, default=24)
+    p.add_argument("--eval-documents", type=int, default=24, help="held-out docstrings (evaluate(), --eval-steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", default="sft_output")
     p.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
@@ -158,6 +159,8 @@ class StepProgress(TrainerCallback):
 def build_trainer(argv: list[str] | None = None) -> SequenceParallelSFTTrainer:
     """Everything up to ``trainer.train()`` (the tests call this on their own ranks)."""
     args = parse_args(argv)
+    if os.environ.get("RANK", "0") != "0":
+        disable_progress_bars()  # datasets' preparation bars once, not once per rank
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
     training_args = SFTConfig(
         output_dir=args.output_dir, deepspeed=ds_config(args), per_device_train_batch_size=args.micro_batch,
@@ -168,7 +171,7 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelSFTTrainer:
         gradient_checkpointing=args.gradient_checkpointing, max_length=args.max_length,
         packing=args.packing != "none", packing_strategy="bfd" if args.packing == "none" else args.packing,
         loss_type=args.loss_type, eval_strategy="steps" if args.eval_steps else "no",
-        eval_steps=args.eval_steps or None, ddp_timeout=args.timeout_s, dataset_num_proc=None,
+        eval_steps=args.eval_steps or None, ddp_timeout=args.timeout_s, dataloader_pin_memory=torch.cuda.is_available(),
     )
     topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
     tokenizer = byte_tokenizer()
@@ -184,7 +187,7 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelSFTTrainer:
                                  lora_dropout=0.0, task_type="CAUSAL_LM")
     train, held_out = datasets(args)
     trainer = SequenceParallelSFTTrainer(  # ring_sp: was SFTTrainer
-        model=model, args=training_args, train_dataset=train, eval_dataset=held_out if args.eval_steps else None,
+        model=model, args=training_args, train_dataset=train, eval_dataset=held_out,
         processing_class=tokenizer, peft_config=peft_config)
     if dist.get_rank() == 0:
         dp = dist.get_world_size() if topology is None else topology.dp_size

@@ -164,8 +164,11 @@ def gpt_kill_and_resume(tmp: Path, *, ranks: int, grid: tuple[str, str], fault: 
 
 @needs_deepspeed
 def test_gpt_killed_mid_step_resumes_bitwise(tmp_path: Path) -> None:
-    """Default suite: U1 x R2, rank 1 killed -9 in step 3's forward after the step-2 checkpoint."""
-    res = gpt_kill_and_resume(tmp_path, ranks=2, grid=("1", "2"), fault="kill:1:3")
+    """Default suite: U1 x R2, rank 1 killed -9 in step 3's forward after the step-2 checkpoint.
+    Under torchrun, whose agent names the lost rank even when it stops the survivor before the
+    survivor prints (DeepSpeed's launcher can stop it first and names no rank: a flake seen in
+    CI; that launcher is covered under -m slow)."""
+    res = gpt_kill_and_resume(tmp_path, ranks=2, grid=("1", "2"), fault="kill:1:3", launcher="torchrun")
     assert res["latest_after_kill"] == "global_step2"
     assert [r["step"] for r in res["resumed"]] == [3, 4]
     assert [r["loss"] for r in res["resumed"]] == [r["loss"] for r in res["whole"][2:]]

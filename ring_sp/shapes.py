@@ -7,7 +7,9 @@ the runtime and still count exactly what the runtime allocates and sends:
   :func:`kv_heads_per_rank`);
 * the dtype of the softmax statistics and the gradient accumulators
   (:func:`softmax_stat_dtype`);
-* the bytes a recompute entry keeps besides out and lse (:data:`FINGERPRINT_BYTES`).
+* the bytes a recompute entry keeps besides out and lse (:data:`FINGERPRINT_BYTES`);
+* the tokens per tile of a tiled MLP or loss when the library sizes them
+  (:func:`auto_tile_tokens`).
 """
 
 from __future__ import annotations
@@ -40,3 +42,31 @@ def kv_heads_per_rank(kv_heads: int, ulysses_size: int) -> int:
 def softmax_stat_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of lse and of the fp32 accumulators: float64 stays float64, all else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+TILE_FLOOR_TOKENS = 128
+"""The fewest tokens :func:`auto_tile_tokens` gives a tile: a matmul of fewer rows runs well
+below the hardware's rate (a tensor-core tile is 128 rows; CPU GEMMs alike), and the tile's
+bytes are then small next to the step's other buffers anyway."""
+
+
+GATED_MLP_TILE_TENSORS = 6
+"""``[t, ffn]`` tensors a gated-MLP tile holds at its backward's peak: gate, up, act(gate),
+their product (recomputed) and the two gradients flowing back to gate and up."""
+
+LOSS_TILE_TENSORS = 2
+"""``[t, vocab]`` fp32 tensors a loss tile holds: its logits and their gradient."""
+
+
+def auto_tile_tokens(tokens: int, *, kept_width: int, kept_bytes: int, tile_width: int, tile_bytes: int,
+                     floor: int = TILE_FLOOR_TOKENS) -> int:
+    """Tokens per tile so that a tile is never the step's peak: one tile's working set,
+    ``tile_width`` elements of ``tile_bytes`` per token (e.g. ``LOSS_TILE_TENSORS * vocab``
+    fp32, ``GATED_MLP_TILE_TENSORS * ffn`` in the model's dtype), is no larger than the
+    shard's ``[tokens, kept_width]`` hidden state (``kept_bytes`` per element), which the step
+    holds anyway; at least ``floor`` tokens (:data:`TILE_FLOOR_TOKENS`), at most ``tokens``.
+    Pure arithmetic, so the planner counts the same tiles the runtime cuts."""
+    if tokens <= 0:
+        return 1
+    fitting = (tokens * kept_width * kept_bytes) // max(1, tile_width * tile_bytes)
+    return max(1, min(tokens, max(floor, fitting)))

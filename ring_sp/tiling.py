@@ -27,24 +27,37 @@ import torch
 import torch.nn.functional as F
 
 from .data import IGNORE_INDEX
+from .shapes import LOSS_TILE_TENSORS, auto_tile_tokens
 
-DEFAULT_TILE_TOKENS = 2048
-"""Tokens per tile when ``tile_tokens=None``: with a 128K vocabulary one fp32 logits tile is
-1 GiB, the size of DeepSpeed ALST's default loss tile; an MLP tile of Llama-3-8B (ffn 14,336,
-bf16, three intermediates) 168 MiB."""
+DEFAULT_TILE_TOKENS = None
+"""``tile_tokens=None``, the default everywhere: the library sizes each tile from the model
+and the shard (:func:`ring_sp.shapes.auto_tile_tokens`): one tile's intermediates are no
+larger than the shard's ``[n, hidden]`` hidden state, so no tile is the step's peak."""
 
 
-def check_tile_tokens(tile_tokens: int | None, *, name: str = "tile_tokens") -> int:
-    """``tile_tokens`` as a positive int (``None`` -> :data:`DEFAULT_TILE_TOKENS`); else a clear error."""
+def check_tile_tokens(tile_tokens: int | None, *, name: str = "tile_tokens") -> int | None:
+    """``tile_tokens`` as a positive int, or None (the library sizes the tiles); else a clear error."""
     if tile_tokens is None:
-        return DEFAULT_TILE_TOKENS
+        return None
     if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int):
-        raise TypeError(f"{name} must be a positive int (tokens per tile) or None (the default "
-                        f"{DEFAULT_TILE_TOKENS}); got {type(tile_tokens).__name__} {tile_tokens!r}")
+        raise TypeError(f"{name} must be a positive int (tokens per tile) or None (sized by the library from the "
+                        f"model and the shard); got {type(tile_tokens).__name__} {tile_tokens!r}")
     if tile_tokens <= 0:
         raise ValueError(f"{name}={tile_tokens} must be >= 1 (tokens per tile); pass e.g. {name}=2048 or None "
-                         f"(the default {DEFAULT_TILE_TOKENS})")
+                         f"(sized by the library)")
     return tile_tokens
+
+
+def tile_tokens_for(tile_tokens: int | None, tokens: int, *, kept: torch.Tensor, tile_width: int,
+                    tile_dtype: torch.dtype) -> int:
+    """The tile size to use: ``tile_tokens`` when given, else :func:`auto_tile_tokens` for a
+    shard of ``tokens`` rows of ``kept`` ``[..., hidden]`` and a tile working set of
+    ``tile_width`` elements of ``tile_dtype`` per token."""
+    tile_tokens = check_tile_tokens(tile_tokens)
+    if tile_tokens is not None:
+        return tile_tokens
+    return auto_tile_tokens(tokens, kept_width=kept.shape[-1], kept_bytes=kept.element_size(), tile_width=tile_width,
+                            tile_bytes=torch.empty((), dtype=tile_dtype).element_size())
 
 
 def _accumulator(param: torch.Tensor) -> torch.Tensor:
@@ -104,7 +117,7 @@ class _TiledMap(torch.autograd.Function):
 
 
 def tiled_map(fn: Callable[..., torch.Tensor], x: torch.Tensor, params: Sequence[torch.Tensor | None], *,
-              tile_tokens: int) -> torch.Tensor:
+              tile_tokens: int | None, tile_width: int | None = None) -> torch.Tensor:
     """``fn(x, *params)`` computed over tiles of ``tile_tokens`` tokens, recomputed tile by tile in the backward.
 
     ``x`` ``[..., H]`` (every leading dimension is tokens: ``fn`` must act on each token
@@ -112,21 +125,34 @@ def tiled_map(fn: Callable[..., torch.Tensor], x: torch.Tensor, params: Sequence
     function of its arguments (it reads every weight it uses from ``params``, so their
     gradients flow through this call; it is called again in the backward). Returns
     ``[..., O]``. Only one tile's intermediates ever exist; the parameters' gradients are
-    summed over the tiles and handed to autograd once.
+    summed over the tiles and handed to autograd once. ``tile_tokens=None``: sized by the
+    library (:func:`tile_tokens_for`) from ``tile_width``, the elements per token of ``fn``'s
+    working set in the backward (a gated MLP: ``GATED_MLP_TILE_TENSORS * ffn``), which must
+    then be given.
     """
-    tile_tokens = check_tile_tokens(tile_tokens)
     flat = x.reshape(-1, x.shape[-1])
+    if check_tile_tokens(tile_tokens) is None and not (isinstance(tile_width, int) and tile_width > 0):
+        raise ValueError(f"tiled_map(tile_tokens=None) sizes tiles from tile_width= (the elements per token "
+                         f"of fn's working set, e.g. 6 x ffn for a gated MLP); got tile_width={tile_width!r}: pass it, or pass tile_tokens")
+    tile_tokens = tile_tokens_for(tile_tokens, flat.shape[0], kept=flat, tile_width=tile_width or 1, tile_dtype=x.dtype)
     out = _TiledMap.apply(fn, tile_tokens, flat, *params)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _tile_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 softcap: float | None) -> torch.Tensor:
-    """fp32 logits of one tile, in the order of a Hugging Face head: linear and soft-cap in the model's dtype."""
-    logits = F.linear(hidden, weight, bias)
+def _capped_logits(linear: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """fp32 logits from one tile's head output, in the order of a Hugging Face head: soft-cap in the model's dtype."""
     if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits.float()
+        linear = torch.tanh(linear / softcap) * softcap
+    return linear.float()
+
+
+def _logits_grad(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """d(sum of the tile's token losses) / d logits = softmax - one_hot, on valid tokens only (fp32, in place)."""
+    d_logits = torch.softmax(logits, dim=-1)
+    rows = torch.arange(labels.shape[0], device=labels.device)
+    d_logits[rows, labels.clamp(min=0)] -= 1.0
+    d_logits *= (labels != ignore_index).to(d_logits.dtype).unsqueeze(-1)
+    return d_logits
 
 
 class _TiledLinearCrossEntropy(torch.autograd.Function):
@@ -135,8 +161,11 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
     The loss is the last op of the forward, so (as DeepSpeed ALST's and Liger's fused losses
     do) each tile's gradients are computed right after its loss, while its logits exist:
     the logits are computed once, not again in the backward (3 matmuls per tile, as untiled,
-    instead of 4). The backward only scales the kept gradients by the incoming one (the
-    loss is linear in it). Under ``no_grad`` (evaluation) no gradient is taken.
+    instead of 4). The head's gradient is summed into ONE buffer by ``addmm_`` (no per-tile
+    ``[vocab, hidden]`` product): the fp32 accumulator, which for an fp32 head is handed to
+    autograd as the gradient itself, scaled in place. The backward only scales the kept
+    gradients by the incoming one (the loss is linear in it). Under ``no_grad`` (evaluation)
+    no gradient is taken.
     """
 
     @staticmethod
@@ -144,53 +173,52 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
                 tile_tokens: int, ignore_index: int, softcap: float | None, with_grads: bool) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         need_h = with_grads and ctx.needs_input_grad[0]
-        leaves = _leaves((weight, bias)) if with_grads else [weight, bias]
-        trains = [with_grads and p is not None and p.requires_grad for p in leaves]
-        trained = [p for p, t in zip(leaves, trains) if t]
-        sums = [_accumulator(p) for p in trained]
+        trains = [with_grads and p is not None and p.requires_grad for p in (weight, bias)]
+        sums = [_accumulator(p) if t else None for p, t in zip((weight, bias), trains)]
         grad_h = torch.empty_like(hidden) if need_h else None
-        taking = need_h or bool(trained)  # no gradient wanted (no_grad, or nothing trains): the loss alone
-        for start in range(0, hidden.shape[0], tile_tokens):
-            stop = start + tile_tokens
-            tile_labels = labels[start:stop]
-            tile = hidden[start:stop].detach().requires_grad_(need_h)
-            with torch.set_grad_enabled(taking):
-                logits = _tile_logits(tile, leaves[0], leaves[1], softcap)
-            with torch.no_grad():
+        taking = need_h or any(trains)  # no gradient wanted (no_grad, or nothing trains): the loss alone
+        with torch.no_grad():
+            for start in range(0, hidden.shape[0], tile_tokens):
+                stop = start + tile_tokens
+                tile, tile_labels = hidden[start:stop], labels[start:stop]
+                linear = F.linear(tile, weight, bias).requires_grad_(taking and softcap is not None)
+                with torch.set_grad_enabled(linear.requires_grad):  # the soft-cap's own backward
+                    logits = _capped_logits(linear, softcap)
                 total += F.cross_entropy(logits, tile_labels, ignore_index=ignore_index, reduction="sum")
-            if not taking:
-                continue
-            with torch.no_grad():
-                # d(sum of token losses)/d logits = softmax - one_hot, on valid tokens only
-                d_logits = torch.softmax(logits.detach(), dim=-1)
-                valid = tile_labels != ignore_index
-                rows = torch.arange(tile_labels.shape[0], device=tile_labels.device)
-                d_logits[rows, tile_labels.clamp(min=0)] -= 1.0
-                d_logits *= valid.to(d_logits.dtype).unsqueeze(-1)
-            grads = torch.autograd.grad(logits, ([tile] if need_h else []) + trained, d_logits)
-            del logits, d_logits
-            if need_h:
-                grad_h[start:start + tile.shape[0]] = grads[0]
-                grads = grads[1:]
-            for acc, g in zip(sums, grads):
-                acc += g
-        summed = iter(sums)
+                if not taking:
+                    continue
+                d_logits = _logits_grad(logits.detach(), tile_labels, ignore_index)
+                if softcap is not None:
+                    (d_linear,) = torch.autograd.grad(logits, linear, d_logits)
+                else:  # the fp32 cast's backward: back to the model's dtype
+                    d_linear = d_logits.to(linear.dtype)
+                del logits, d_logits, linear
+                if need_h:
+                    torch.mm(d_linear, weight, out=grad_h[start:start + tile.shape[0]])
+                if sums[0] is not None:
+                    sums[0].addmm_(d_linear.t().to(sums[0].dtype), tile.to(sums[0].dtype))
+                if sums[1] is not None:
+                    sums[1] += d_linear.sum(0, dtype=sums[1].dtype)
+                del d_linear
         ctx.grad_dtypes = [None if p is None else p.dtype for p in (weight, bias)]
-        ctx.kept = [grad_h] + [next(summed) if t else None for t in trains]
+        ctx.kept = [grad_h, *sums]
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad_h, grad_w, grad_b = ctx.kept
-        ctx.kept = None  # the kept gradients are handed over once
-        if grad_h is not None:
-            grad_h = (grad_h * grad).to(grad_h.dtype)
-        out = [None if g is None else (g * grad).to(dtype) for g, dtype in zip((grad_w, grad_b), ctx.grad_dtypes)]
-        return grad_h, out[0], out[1], None, None, None, None, None
+        ctx.kept = None  # handed over once; scaled in place, so no second [vocab, hidden] buffer
+        out = []
+        for g, dtype in zip((grad_h, grad_w, grad_b), (None, *ctx.grad_dtypes)):
+            if g is not None:
+                g = g.mul_(grad)
+                g = g if dtype is None else g.to(dtype)
+            out.append(g)
+        return out[0], out[1], out[2], None, None, None, None, None
 
 
 def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                               bias: torch.Tensor | None = None, tile_tokens: int,
+                               bias: torch.Tensor | None = None, tile_tokens: int | None = None,
                                ignore_index: int = IGNORE_INDEX, softcap: float | None = None) -> torch.Tensor:
     """The SUM of the next-token cross entropies of ``hidden @ weight.T (+ bias)``, over tiles of tokens.
 
@@ -203,14 +231,16 @@ def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     tile exists: with grad enabled, each tile's gradients are taken in the forward right after
     its loss and scaled by the incoming gradient in the backward (no logits recomputed).
     """
-    tile_tokens = check_tile_tokens(tile_tokens)
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree on the token "
                          f"dimensions (hidden [..., H], labels [...])")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight {tuple(weight.shape)} must be [vocab, {hidden.shape[-1]}] for hidden {tuple(hidden.shape)}")
-    return _TiledLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1),
-                                          tile_tokens, ignore_index, softcap, torch.is_grad_enabled())
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    tile_tokens = tile_tokens_for(tile_tokens, flat.shape[0], kept=flat, tile_width=LOSS_TILE_TENSORS * weight.shape[0],
+                                  tile_dtype=torch.float32)  # the tile's fp32 logits and their gradient
+    return _TiledLinearCrossEntropy.apply(flat, weight, bias, labels.reshape(-1), tile_tokens, ignore_index, softcap,
+                                          torch.is_grad_enabled())
 
 
-__all__ = ["DEFAULT_TILE_TOKENS", "check_tile_tokens", "tiled_linear_cross_entropy", "tiled_map"]
+__all__ = ["DEFAULT_TILE_TOKENS", "check_tile_tokens", "tile_tokens_for", "tiled_linear_cross_entropy", "tiled_map"]

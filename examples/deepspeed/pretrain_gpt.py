@@ -150,16 +150,18 @@ class Block(nn.Module):
             nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model), nn.GELU(), nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
         )
 
-        self.mlp_tile_tokens: int | None = None  # set: the MLP runs over token tiles (GPT.enable_long_sequence)
+        self.tiled_mlp = False  # the MLP runs over token tiles (GPT.enable_long_sequence)
+        self.mlp_tile_tokens: int | None = None  # tokens per tile (None: sized by ring_sp from the shard)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cos, sin, cu_seqlens)
         h = self.ln_2(x)
-        if self.mlp_tile_tokens is None:
+        if not self.tiled_mlp:
             return x + self.mlp(h)
         up, down = self.mlp[0], self.mlp[2]
-        return x + tiled_map(_gelu_mlp, h, [up.weight, up.bias, down.weight, down.bias], tile_tokens=self.mlp_tile_tokens)
+        return x + tiled_map(_gelu_mlp, h, [up.weight, up.bias, down.weight, down.bias], tile_tokens=self.mlp_tile_tokens,
+                           tile_width=4 * up.weight.shape[0])  # up, gelu(up) and their two gradients
 
 
 def _gelu_mlp(x: torch.Tensor, up_w: torch.Tensor, up_b: torch.Tensor, down_w: torch.Tensor,
@@ -203,7 +205,8 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     checkpointing = False  # activation checkpointing per block (--checkpoint-activations)
-    loss_tile_tokens: int | None = None  # set: forward(labels=) returns the tiled loss sum
+    tiled_loss = False  # forward(labels=) returns the tiled loss sum
+    loss_tile_tokens: int | None = None  # tokens per tile (None: sized by ring_sp from the shard)
     _checkpoint: Callable[..., torch.Tensor] | None = None
 
     def enable_long_sequence(self, *, tiled_mlp: bool, tiled_loss: bool, offload_checkpoints: bool,
@@ -220,8 +223,8 @@ class GPT(nn.Module):
             raise ValueError("offload_checkpoints=True needs activation checkpointing: pass --checkpoint-activations, "
                              "or offload_checkpoints=False")
         for block in self.blocks:
-            block.mlp_tile_tokens = tile if tiled_mlp else None
-        self.loss_tile_tokens = tile if tiled_loss else None
+            block.tiled_mlp, block.mlp_tile_tokens = tiled_mlp, tile
+        self.tiled_loss, self.loss_tile_tokens = tiled_loss, tile
         self._checkpoint = OffloadedCheckpoint() if offload_checkpoints else None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -247,7 +250,7 @@ class GPT(nn.Module):
         x = self.ln_f(x)
         if labels is None:
             return self.lm_head(x)
-        if self.loss_tile_tokens is None:
+        if not self.tiled_loss:
             raise ValueError("forward(labels=) is the tiled loss: switch it on with tiled_loss (ring_sp.tiled_loss)")
         return tiled_linear_cross_entropy(x, self.lm_head.weight, labels, tile_tokens=self.loss_tile_tokens)
 
@@ -481,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     progress = Progress(args.steps, log_json=args.log_json, enabled=dist.get_rank() == 0, start_step=start_step)
     def loss_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = (batch["input_ids"], batch["position_ids"], batch.get("cu_seqlens"))
-        if model.loss_tile_tokens is not None:  # ring_sp.tiled_loss: the full logits never exist
+        if model.tiled_loss:  # ring_sp.tiled_loss: the full logits never exist
             return tiled_loss(engine(*inputs, labels=batch["labels"]), batch["labels"], engine)
         return loss_fn(engine(*inputs), batch["labels"], engine)
 

@@ -51,7 +51,7 @@ class LongSequenceConfig:
     tiled_mlp: bool
     tiled_loss: bool
     offload_checkpoints: bool
-    tile_tokens: int
+    tile_tokens: int | None  # None: every tile sized by the library from the model and the shard
 
 
 def _check_flag(name: str, value: object) -> bool:
@@ -83,7 +83,9 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
     logits tile at a time). ``offload_checkpoints``: the hidden states activation
     checkpointing keeps per layer live in host memory (needs
     ``model.gradient_checkpointing_enable()`` first). ``tile_tokens``: tokens per tile
-    (None: :data:`ring_sp.tiling.DEFAULT_TILE_TOKENS`). Local: no communication, so every
+    (None, the default: sized by the library from the model and the shard, so that one
+    tile's intermediates are no larger than the shard's ``[n, hidden]`` hidden state; see
+    :func:`ring_sp.shapes.auto_tile_tokens`). Local: no communication, so every
     rank raises the same error before any collective. Calling it again replaces the settings.
     """
     module = _unwrap(model)

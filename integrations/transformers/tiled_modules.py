@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ring_sp.shapes import GATED_MLP_TILE_TENSORS
 from ring_sp.tiling import tiled_linear_cross_entropy, tiled_map
 
 # MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (transformers 5.18)
@@ -46,13 +47,14 @@ def _gated_mlp(x: torch.Tensor, act: nn.Module, gate_w: torch.Tensor, up_w: torc
 class TiledGatedMLP:
     """Mixed into a gated MLP's class: its forward over token tiles (see :func:`ring_sp.tiling.tiled_map`)."""
 
-    ring_sp_tile_tokens: int
+    ring_sp_tile_tokens: int | None  # None: sized by the library from the shard and the ffn width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linears = (self.gate_proj, self.up_proj, self.down_proj)
         params = [lin.weight for lin in linears] + [lin.bias for lin in linears]
         act = self.act_fn
-        return tiled_map(lambda tile, *p: _gated_mlp(tile, act, *p), x, params, tile_tokens=self.ring_sp_tile_tokens)
+        return tiled_map(lambda tile, *p: _gated_mlp(tile, act, *p), x, params, tile_tokens=self.ring_sp_tile_tokens,
+                         tile_width=GATED_MLP_TILE_TENSORS * self.gate_proj.weight.shape[0])
 
 
 def check_mlp(name: str, mlp: nn.Module) -> None:
@@ -109,7 +111,7 @@ class LossRequest:
 
     labels: torch.Tensor
     softcap: float | None
-    tile_tokens: int
+    tile_tokens: int | None  # None: sized by the library (ring_sp.tiling.tile_tokens_for)
     ignore_index: int
     loss_sum: torch.Tensor | None = None
     output: torch.Tensor | None = None  # the head's output after every forward hook (ZeRO-3 wraps it there)

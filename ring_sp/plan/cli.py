@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every layer")
     step.add_argument("--offload-checkpoints", action="store_true", help="checkpointed activations in host memory")
     step.add_argument("--tiled", action="store_true", help="tiled MLP and tiled logits+loss (enable_long_sequence)")
-    step.add_argument("--tile-tokens", type=int, help="tokens per tile (default: ring_sp.tiling.DEFAULT_TILE_TOKENS)")
+    step.add_argument("--tile-tokens", type=int, help="tokens per tile (default: sized by ring_sp, ring_sp.shapes.auto_tile_tokens)")
     step.add_argument("--alst", action="store_true",
                       help="configure as DeepSpeed ALST: Ulysses only, bf16, ZeRO-3 with the optimizer offloaded, "
                            "checkpoints offloaded, TiledMLP and tiled loss, fused kernels")

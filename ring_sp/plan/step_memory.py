@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..tiling import DEFAULT_TILE_TOKENS
+from ..shapes import GATED_MLP_TILE_TENSORS, LOSS_TILE_TENSORS, auto_tile_tokens
 from .layer_cost import attention_memory
 from .request import PlanError, dtype_bytes
 
@@ -255,7 +255,9 @@ def _mlp_tile(model: Transformer, training: Training, n: int) -> int:
         return min(n, training.mlp_tile_tokens)
     if training.library == "alst":  # ALST: ceil(n / hidden) tiles
         return math.ceil(n / math.ceil(n / model.hidden))
-    return min(n, DEFAULT_TILE_TOKENS)
+    width = dtype_bytes(training.dtype)[0]  # ring_sp sizes the tile: its working set no larger than [n, hidden]
+    return auto_tile_tokens(n, kept_width=model.hidden, kept_bytes=width, tile_width=GATED_MLP_TILE_TENSORS * model.ffn,
+                            tile_bytes=width)
 
 
 def _loss_tile(model: Transformer, training: Training, n: int) -> int:
@@ -265,7 +267,9 @@ def _loss_tile(model: Transformer, training: Training, n: int) -> int:
         return min(n, training.loss_tile_tokens)
     if training.library == "alst":
         return min(n, max(1, ALST_LOSS_TILE_BYTES // (FP32 * model.vocab)))
-    return min(n, DEFAULT_TILE_TOKENS)
+    # ring_sp sizes the tile: its fp32 logits and their gradient no larger than the [n, hidden] hidden state
+    return auto_tile_tokens(n, kept_width=model.hidden, kept_bytes=dtype_bytes(training.dtype)[0],
+                            tile_width=LOSS_TILE_TENSORS * model.vocab, tile_bytes=FP32)
 
 
 def _resident(model: Transformer, training: Training, sp: int) -> tuple[float, float, float, float]:
@@ -313,9 +317,8 @@ def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses
     # the loss. Untiled, at its backward: log-softmax's fp32 output and two fp32 gradients of
     # [n, vocab] (the logits, and their fp32 copy, are not kept). Tiled, one tile of t tokens:
     # ring_sp holds the tile's fp32 logits and their gradient (softmax - one hot, in place;
-    # plus the logits in the model dtype when it is not fp32) and sums the head's gradient in
-    # fp32 next to the tile's (and, as ring_sp.tiling's loop is written, the previous tile's when
-    # there are several); ALST runs cross entropy's own backward per tile (three fp32
+    # plus the head's output and its gradient in the model dtype when it is not fp32) and sums
+    # the head's gradient into ONE fp32 accumulator (addmm_, no per-tile product); ALST runs cross entropy's own backward per tile (three fp32
     # [t, vocab]) and adds each tile's head gradient to .grad. Both fill an [n, hidden] input
     # gradient; ZeRO-3 gathers the head.
     t = _loss_tile(model, training, n)
@@ -323,7 +326,7 @@ def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses
     if not training.tiled_loss:
         logits = t * v * 3 * FP32
     elif training.library == "ring_sp":
-        logits = t * v * (2 * FP32 + (e if e != FP32 else 0)) + (2 if t >= n else 3) * head_grad + n * e * h
+        logits = t * v * (2 * FP32 + (2 * e if e != FP32 else 0)) + head_grad + n * e * h
     else:  # (each tile's head gradient comes after its [t, vocab] buffers are freed)
         logits = t * v * 3 * FP32 + n * e * h
     head = v * h * e if training.zero_stage >= 3 else 0.0

@@ -22,8 +22,8 @@ import torch
 
 from . import plots
 from .launch import launcher
-from .length import markdown as length_markdown
 from .length import plot as length_plot
+from .length_rss import section_markdown as length_markdown
 from .report import markdown, write_jsonl
 from .suite import FULL, QUICK, SECTIONS
 

@@ -240,11 +240,11 @@ def step_time_case(seq_len: int, tile_tokens: int | None, rounds: int, layers: i
 class LengthConfig:
     seq_lens: tuple[int, ...] = (8192, 16384, 32768, 65536)
     sp: int = 4
-    tile_tokens: int | None = 1024  # ring_sp's tiles (MLP and loss)
+    tile_tokens: int | None = None  # ring_sp's tiles (MLP and loss); None: sized by the library
     loss_tile_tokens: int = 1024  # ALST's loss tiles: the same size (its MLP keeps its own ceil(n / hidden) rule)
     budget_bytes: float = 6 * 2**30  # points predicted above this per process are skipped
     machine_bytes: float = 8 * 2**30  # ... or whose processes together would exceed this
-    timing_seq_len: int = 4096  # step time of ring_sp tiled vs untiled (U2xR2), alternated
+    timing_seq_lens: tuple[int, ...] = (4096, 8192)  # step time of ring_sp tiled vs untiled (U2xR2), alternated
     timing_rounds: int = 3
     demo_budget_bytes: float = 2**30  # the longest-sequence demo: this much per rank
 
@@ -306,7 +306,7 @@ def length(run: Launcher, cfg: Any, log: Callable[[str], None], length_cfg: Leng
            ) -> list[dict[str, Any]]:
     """Every mode at every length (each point in fresh processes, one at a time), then the
     step time of ring_sp tiled vs untiled."""
-    lc = length_cfg or (LengthConfig(seq_lens=(2048, 4096), timing_seq_len=2048) if cfg.seq_lens[0] < 1024
+    lc = length_cfg or (LengthConfig(seq_lens=(2048, 4096), timing_seq_lens=(2048,)) if cfg.seq_lens[0] < 1024
                         else LengthConfig())
     records = []
     for n in lc.seq_lens:
@@ -319,23 +319,24 @@ def length(run: Launcher, cfg: Any, log: Callable[[str], None], length_cfg: Leng
                 continue
             log(f"length N={n}: {mode.name}")
             records.append({**record, **run_point(run, mode, n, lc)})
-    log(f"length: step time at N={lc.timing_seq_len}, ring_sp tiled vs untiled")
-    records.append(timing_record(run, lc))
+    for n in lc.timing_seq_lens:
+        log(f"length: step time at N={n}, ring_sp tiled vs untiled")
+        records.append(timing_record(run, lc, n))
     return records
 
 
-def timing_record(run: Launcher, lc: LengthConfig) -> dict[str, Any]:
+def timing_record(run: Launcher, lc: LengthConfig, seq_len: int) -> dict[str, Any]:
     fresh = not isinstance(run, TorchrunLauncher)
     launcher = PoolLauncher() if fresh else run
     try:
-        per_rank = launcher.run(step_time_case, lc.sp, lc.timing_seq_len, lc.tile_tokens, lc.timing_rounds)
+        per_rank = launcher.run(step_time_case, lc.sp, seq_len, lc.tile_tokens, lc.timing_rounds)
     finally:
         if fresh:
             launcher.close()
     # a step lasts as long as its slowest rank; the median over rounds
     steps = {name: statistics.median(max(r[name][i] for r in per_rank) for i in range(lc.timing_rounds))
              for name in per_rank[0]}
-    return {"section": "length_timing", "seq_len": lc.timing_seq_len, "world_size": lc.sp, "step_s": steps,
+    return {"section": "length_timing", "seq_len": seq_len, "world_size": lc.sp, "step_s": steps,
             "tiled_over_untiled": steps[TILED_2X2.name] / steps[UNTILED.name]}
 
 

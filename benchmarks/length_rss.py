@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +39,9 @@ import torch
 
 import ring_sp.integrations.transformers as rsp_hf
 
-from .launch import PoolLauncher, sp_group
-from .length import ALST, LengthMode, _alst_step, _model, global_batch, small_llama_config
+from .launch import Launcher, PoolLauncher, TorchrunLauncher, sp_group
+from .length import ALST, LengthMode, _alst_step, _model, global_batch, length, small_llama_config
+from .length import markdown as live_bytes_markdown
 from .tables import table
 
 MMAP_THRESHOLD = 65536
@@ -132,6 +134,32 @@ def rss_point(mode: RssMode, seq_len: int, ranks: int = 4) -> dict[str, Any]:
         launcher.close()
     return {"mode": mode.name, "seq_len": seq_len, "rss_growth_bytes": max(r["rss_growth_bytes"] for r in results),
             "rss_growth_per_rank": [r["rss_growth_bytes"] for r in results], "loss": results[0]["loss"]}
+
+
+def length_section(run: Launcher, cfg: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The benchmark suite's ``length`` section: the live-bytes sweep and step times of
+    :func:`.length.length`, then this module's peak RSS growth against ALST (CPU ranks only:
+    under torchrun the GPUs' allocator is measured by the live-bytes sweep)."""
+    records = length(run, cfg, log)
+    if isinstance(run, TorchrunLauncher):
+        log("length: peak RSS growth is measured on CPU ranks only; skipped under torchrun")
+        return records
+    for n in (4096, 8192) if cfg.seq_lens[0] < 1024 else (8192, 16384, 32768):
+        for mode in RSS_MODES:
+            log(f"length: peak RSS growth N={n}: {mode.name}")
+            records.append({"section": "length_rss", **rss_point(mode, n)})
+    return records
+
+
+def section_markdown(records: list[dict[str, Any]]) -> str:
+    """length.md: the live-bytes tables, then the peak RSS table."""
+    rss = [r for r in records if r["section"] == "length_rss"]
+    out = live_bytes_markdown(records)
+    if rss:
+        out += ("\nPeak RSS growth per rank of one step (forward, loss, backward), MiB, largest rank; 4 gloo ranks, "
+                "freed buffers of 64 KiB and more returned at once (`benchmarks/length_rss.py`); in brackets the "
+                "ratio to ALST sized for the scale:\n\n" + markdown(rss) + "\n")
+    return out
 
 
 def markdown(records: list[dict[str, Any]]) -> str:

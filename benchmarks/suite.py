@@ -6,7 +6,8 @@ rank while N grows at fixed P and while P grows at fixed N), ``activations`` (me
 attention layer keeps between forward and backward, plain and checkpointed, vs the planner), ``overlap`` (an injected
 link delay), ``heads`` (fewer heads than ranks: who runs, and exactly?), ``kv_exchange`` (all-gathered KV
 against the ring, :mod:`.kv_exchange`) and ``length`` (the whole training step of a small HF Llama as N grows,
-tiled and untiled, against DeepSpeed ALST; :mod:`.length`, written to length.*).
+tiled and untiled, against DeepSpeed ALST, in live tensor bytes (:mod:`.length`) and in peak RSS
+(:mod:`.length_rss`), written to length.*).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .cases import activation_case, exactness_case, overlap_case, profile_case, 
 from .comm_bytes import formula_bytes
 from .kv_exchange import kv_exchange
 from .launch import Launcher
-from .length import length
+from .length_rss import length_section
 from .modes import DEEPSPEED, SINGLE, Mode, Problem, comparison_modes
 from .schedule_cost import measure
 from .timing import rank_balance, slowest_rank, step_time
@@ -308,5 +309,5 @@ def ulysses(run: Launcher, cfg: Config, log: Callable[[str], None]) -> list[Reco
 
 SECTIONS: dict[str, Callable[[Launcher, Config, Callable[[str], None]], list[Record]]] = {
     "timing": timing, "profile": profile, "memory": memory, "activations": activations, "overlap": overlap,
-    "heads": heads, "schedule": schedule, "ulysses": ulysses, "kv_exchange": kv_exchange, "length": length,
+    "heads": heads, "schedule": schedule, "ulysses": ulysses, "kv_exchange": kv_exchange, "length": length_section,
 }

@@ -2,6 +2,7 @@
 #   make demo   set up .venv, then run the main job: a small real GPT pretraining run with
 #               ring x Ulysses (U2 x R2) on 4 CPU ranks through DeepSpeed
 #   make test   set up .venv, then run the whole test suite (what CI runs)
+#   make test-newest   the Hugging Face tests on the newest releases of the supported ranges (own environment)
 PYTHON ?= python3
 VENV ?= .venv
 # torch is installed FIRST and alone: any later package that asks for "torch" then finds it
@@ -16,8 +17,16 @@ TRANSFORMERS_SPEC ?= transformers==5.18.0 accelerate==1.15.0
 TRL_SPEC ?= trl==1.16.0 peft==0.21.2
 PIP := $(VENV)/bin/python -m pip
 STAMP := $(VENV)/.ring_sp_installed
+# The newest ends (README "Supported versions"): a separate environment with the NEWEST release inside each
+# supported range (integrations/versions.py) of the Hugging Face stack, running its tests; torch and DeepSpeed
+# as above. `make test-newest` (re-creates it each time: the newest release may have changed).
+NEWEST_VENV ?= build/venv-newest
+NEWEST_DISTRIBUTIONS ?= transformers accelerate trl peft
+NEWEST_TESTS ?= tests/test_transformers.py tests/test_transformers_trainer.py tests/test_trl.py tests/test_fsdp2.py \
+	tests/test_versions.py
+NEWEST_PIP := $(NEWEST_VENV)/bin/python -m pip
 
-.PHONY: demo quickstart test setup clean
+.PHONY: demo quickstart test test-newest setup clean
 
 setup: $(STAMP)
 
@@ -37,6 +46,17 @@ quickstart: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
+
+test-newest:
+	rm -rf $(NEWEST_VENV)
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_PIP) install --quiet --upgrade pip setuptools wheel
+	$(NEWEST_PIP) install --quiet "$(TORCH_SPEC)"
+	$(NEWEST_PIP) install --quiet --no-build-isolation "$(DEEPSPEED_SPEC)" \
+		$(shell $(PYTHON) integrations/versions.py $(NEWEST_DISTRIBUTIONS))
+	$(NEWEST_PIP) install --quiet --no-build-isolation -e ".[test]"
+	$(NEWEST_PIP) list 2>/dev/null | grep -iE '^(torch|deepspeed|transformers|accelerate|trl|peft) '
+	$(NEWEST_VENV)/bin/python -m pytest $(NEWEST_TESTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

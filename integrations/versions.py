@@ -11,6 +11,8 @@ error instead of computing a wrong result. Imports nothing but the standard libr
 from __future__ import annotations
 
 import re
+import shlex
+import sys
 from importlib import metadata
 
 # distribution name -> (lowest supported, first unsupported)
@@ -59,4 +61,20 @@ def require_supported(distribution: str, feature: str) -> None:
         )
 
 
-__all__ = ["SUPPORTED", "installed_version", "require_supported", "requirement"]
+def main(distributions: list[str]) -> str:
+    """``python integrations/versions.py DIST ...``: the requirements of ``DIST ...``, shell-quoted, one line.
+
+    The Makefile's newest-end environment (``make test-newest``) installs them: pip then takes
+    the newest release inside each supported range.
+    """
+    unknown = [d for d in distributions if d not in SUPPORTED]
+    if unknown or not distributions:
+        raise SystemExit(f"usage: versions.py DISTRIBUTION ...; unknown {unknown}, known: {sorted(SUPPORTED)}")
+    return " ".join(shlex.quote(requirement(d)) for d in distributions)
+
+
+if __name__ == "__main__":  # not when setup.py exec()s this file
+    print(main(sys.argv[1:]))
+
+
+__all__ = ["SUPPORTED", "installed_version", "main", "require_supported", "requirement"]

@@ -3,6 +3,10 @@ range where the integration first leans on it, never a wrong result (versions fa
 
 from __future__ import annotations
 
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +14,8 @@ import pytest
 from ring_sp.integrations import versions
 from ring_sp.integrations.versions import SUPPORTED, require_supported, requirement
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def _fake(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
@@ -53,3 +58,17 @@ def test_readme_states_every_range() -> None:
     text = README.read_text(encoding="utf-8")
     for distribution in SUPPORTED:
         assert f"`{requirement(distribution)}`" in text, distribution
+
+
+def test_newest_end_environment_covers_the_hf_stack() -> None:
+    """``make test-newest`` installs the newest release inside each range of transformers, accelerate, trl and peft
+    (the quoted requirements ``integrations/versions.py`` prints) and runs the TRL and FSDP2 tests there too."""
+    make = (ROOT / "Makefile").read_text(encoding="utf-8").replace("\\\n", " ")
+    setting = {name: value.split() for name, value in re.findall(r"^(NEWEST_\w+) \?= (.+)$", make, re.M)}
+    assert {"transformers", "accelerate", "trl", "peft"} <= set(setting["NEWEST_DISTRIBUTIONS"]), setting
+    assert {"tests/test_trl.py", "tests/test_fsdp2.py", "tests/test_transformers_trainer.py"} <= set(setting["NEWEST_TESTS"])
+    assert "$(shell $(PYTHON) integrations/versions.py $(NEWEST_DISTRIBUTIONS))" in make
+    printed = subprocess.run([sys.executable, str(ROOT / "integrations" / "versions.py"), "trl", "peft"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert shlex.split(printed) == [requirement("trl"), requirement("peft")], printed
+    assert "'" in printed  # quoted: the Makefile hands it to a shell, where < would redirect

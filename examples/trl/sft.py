@@ -10,6 +10,12 @@ built from a config (Llama, 4 query / 2 KV heads), the tokenizer is a byte-level
 
     examples/trl/sft.sh --cpu                      # 4 CPU ranks, U2 x R2, ZeRO-1 (DeepSpeed launcher)
     examples/trl/sft.sh --bf16 --ring-size 4       # every GPU of this machine
+    examples/trl/sft.sh --cpu --fsdp2              # FSDP2 instead: accelerate launch --config_file fsdp2.yaml
+
+``--fsdp2`` trains without DeepSpeed: the config's ``"ring_sp"`` section becomes
+``prepare_sequence_parallel``'s keywords (the same settings) and FSDP2 shards the model over
+all ranks (accelerate on GPUs; on CPU ranks the trainer itself, as accelerate 1.15 sets no
+FSDP up there). ``--fsdp2`` must run under ``accelerate launch`` with an FSDP2 config.
 
 ``--max-length`` is the GLOBAL length of a packed row (TRL's BFD packing: documents never
 split, ``position_ids`` restarting per document), cut over the ``U x R`` ranks. ``--data
@@ -55,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ulysses-size", type=int, help="override ring_sp.ulysses_size of the config")
     p.add_argument("--ring-size", type=int, help="override ring_sp.ring_size of the config")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="FSDP2 instead of DeepSpeed (run under accelerate launch --config_file fsdp2.yaml)")
     p.add_argument("--no-ring-sp", action="store_true",
                    help='reference run: disable the ring_sp section, attn_implementation="sdpa" (use one rank)')
     p.add_argument("--model", choices=["llama", "mistral"], default="llama",
@@ -126,6 +134,11 @@ def model_config(args: argparse.Namespace, vocab_size: int, pad_id: int, eos_id:
     return LlamaConfig(**common)
 
 
+def ring_sp_keywords(args: argparse.Namespace) -> dict:
+    """--fsdp2: the config's "ring_sp" section (with the overrides) as prepare_sequence_parallel's keywords."""
+    return dict(ds_config(args)[rsp_ds.SECTION])
+
+
 def ds_config(args: argparse.Namespace) -> dict:
     config = rsp_ds.load_config(args.deepspeed_config)
     section = config.setdefault(rsp_ds.SECTION, {})
@@ -163,7 +176,8 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelSFTTrainer:
         disable_progress_bars()  # datasets' preparation bars once, not once per rank
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
     training_args = SFTConfig(
-        output_dir=args.output_dir, deepspeed=ds_config(args), per_device_train_batch_size=args.micro_batch,
+        output_dir=args.output_dir, deepspeed=None if args.fsdp2 else ds_config(args),
+        per_device_train_batch_size=args.micro_batch,
         per_device_eval_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup, lr_scheduler_type="cosine",
         optim=args.optim, max_grad_norm=args.max_grad_norm, bf16=args.bf16, seed=args.seed, data_seed=args.seed,
@@ -173,7 +187,10 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelSFTTrainer:
         loss_type=args.loss_type, eval_strategy="steps" if args.eval_steps else "no",
         eval_steps=args.eval_steps or None, ddp_timeout=args.timeout_s, dataloader_pin_memory=torch.cuda.is_available(),
     )
-    topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
+    if args.fsdp2:  # ring_sp: the same settings as keywords; FSDP2 comes from accelerate launch's config
+        topology = prepare_sequence_parallel(training_args, **ring_sp_keywords(args))
+    else:
+        topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
     tokenizer = byte_tokenizer()
     torch.manual_seed(args.seed)
     config = model_config(args, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
@@ -194,7 +211,8 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelSFTTrainer:
         grid = "1 (sdpa)" if topology is None else f"{topology.ulysses_size}x{topology.ring_size} (ulysses x ring)"
         print(f"{args.model} {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
               f"{args.micro_batch * args.grad_accum * dp} rows of <= {args.max_length} tokens per step; world "
-              f"{dist.get_world_size()} = DP {dp} x SP {grid}", file=sys.stderr)
+              f"{dist.get_world_size()} = DP {dp} x SP {grid}; {'FSDP2' if args.fsdp2 else 'DeepSpeed'}",
+              file=sys.stderr)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(StepProgress(args.steps, args.log_json))
     trainer.ring_sp_example_args = args

@@ -1,11 +1,37 @@
 #!/usr/bin/env bash
 # Fine-tune the small Llama of sft.py with TRL's SFTTrainer + ring_sp (run from anywhere).
 #
-#   examples/trl/sft.sh --cpu [ARGS...]   4 CPU ranks on this machine, U2 x R2, DeepSpeed ZeRO-1 (gloo)
-#   examples/trl/sft.sh [ARGS...]         every GPU of this machine (NCCL)
+#   examples/trl/sft.sh --cpu [ARGS...]           4 CPU ranks on this machine, U2 x R2, DeepSpeed ZeRO-1 (gloo)
+#   examples/trl/sft.sh [ARGS...]                 every GPU of this machine (NCCL)
+#   examples/trl/sft.sh --cpu --fsdp2 [ARGS...]   FSDP2 instead of DeepSpeed: accelerate launch with fsdp2.yaml
+#   examples/trl/sft.sh --fsdp2 [ARGS...]         FSDP2 on every GPU of this machine
 #
 # ARGS go to sft.py, e.g. --steps 100 --log-json --ulysses-size 1 --ring-size 4 --zero-stage 3 --lora.
-# Environment: NUM_RANKS (CPU ranks, default 4), MASTER_PORT (default 29500), PYTHON, LAUNCHER (deepspeed or torchrun).
+# Environment: NUM_RANKS (CPU ranks, default 4), MASTER_PORT (default 29500), PYTHON, LAUNCHER (deepspeed or
+# torchrun; DeepSpeed runs only: --fsdp2 always goes through accelerate launch).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-exec "$here/../common/deepspeed_launch.sh" "$here/sft.py" "$@"
+cpu=()
+fsdp2=0
+while [[ $# -gt 0 && ( "$1" == --cpu || "$1" == --fsdp2 ) ]]; do
+  if [[ "$1" == --cpu ]]; then cpu=(--cpu); else fsdp2=1; fi
+  shift
+done
+if [[ $fsdp2 == 0 ]]; then
+  exec "$here/../common/deepspeed_launch.sh" "$here/sft.py" "${cpu[@]}" "$@"
+fi
+# FSDP2: accelerate launch. PYTHON if set, else the project's .venv (make setup) when it exists, else python.
+venv_python="$here/../../.venv/bin/python"
+if [[ -n "${PYTHON:-}" ]]; then python="$PYTHON"; elif [[ -x "$venv_python" ]]; then python="$venv_python"; else python=python; fi
+if [[ ${#cpu[@]} -gt 0 ]]; then
+  ranks="${NUM_RANKS:-4}"
+  # Share the cores between the ranks instead of each rank starting a thread per core.
+  threads=$(( $(nproc) / ranks ))
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}"
+  export CUDA_VISIBLE_DEVICES=""  # CPU ranks even on a machine with GPUs
+  export DS_ACCELERATOR=cpu       # ring_sp imports DeepSpeed when installed: no accelerator probe on stdout
+else
+  ranks="$("$python" -c 'import torch; print(torch.cuda.device_count())')"
+fi
+exec "$python" -m accelerate.commands.launch --config_file "$here/fsdp2.yaml" --num_processes "$ranks" \
+  --main_process_port "${MASTER_PORT:-29500}" "$here/sft.py" --fsdp2 "$@"

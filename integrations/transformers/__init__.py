@@ -23,8 +23,9 @@
   prefill: ``model.set_attn_implementation("sdpa")`` for it and back to ``"ring_sp"``).
 
 Importing this package does not import transformers: :func:`register` does. Nor does it
-import :mod:`ring_sp.integrations.deepspeed`, which builds on it; the Trainer under DeepSpeed
-(:mod:`.trainer`, with :mod:`.trainer_setup`) stands on both and is imported on its own.
+import :mod:`ring_sp.integrations.deepspeed`, which builds on it; the Trainer under DeepSpeed or
+FSDP2 (:mod:`.trainer`, with :mod:`.trainer_setup` and :mod:`.fsdp`) stands on both and is
+imported on its own.
 :class:`SequenceParallelSFTTrainer` (TRL's ``SFTTrainer``, :mod:`.sft_trainer`) is exported
 lazily: the first access to ``rsp_hf.SequenceParallelSFTTrainer`` imports it (and trl,
 transformers, DeepSpeed's integration); importing the package imports none of them.

@@ -1,4 +1,4 @@
-"""TRL's ``SFTTrainer`` (trl 1.16) on ring_sp's ``U x R`` grid, under DeepSpeed.
+"""TRL's ``SFTTrainer`` (trl 1.16) on ring_sp's ``U x R`` grid, under DeepSpeed or FSDP2.
 
 Set up exactly like :class:`.trainer.SequenceParallelTrainer`::
 
@@ -12,7 +12,11 @@ Set up exactly like :class:`.trainer.SequenceParallelTrainer`::
     trainer = SequenceParallelSFTTrainer(model=model, args=args, train_dataset=..., processing_class=tokenizer)
     trainer.train()
 
-Without an enabled ``"ring_sp"`` section it IS ``trl.SFTTrainer``. With one, TRL prepares the
+Under FSDP2 (no DeepSpeed) the settings are keywords instead,
+``prepare_sequence_parallel(args, ulysses_size=2, ring_size=2)``, with FSDP2 asked for through
+``accelerate launch --config_file examples/trl/fsdp2.yaml`` (:mod:`.fsdp`, :mod:`.trainer`).
+
+Without ring_sp settings it IS ``trl.SFTTrainer``. With them, TRL prepares the
 data as usual (tokenising, completion-only / assistant-only label masks, packing) and its
 collator builds GLOBAL batches; ``max_length`` is the GLOBAL (whole-sequence) length, split
 over the ``U x R`` ranks. Then:
@@ -61,8 +65,8 @@ from ring_sp.integrations import deepspeed as rsp_ds
 from ring_sp.integrations.versions import require_supported
 
 from .data import shard_batch
-from .trainer import _NO_LOGITS, SequenceParallelTrainer
-from .trainer_setup import prepare_sequence_parallel
+from .trainer import SequenceParallelTrainer
+from .trainer_setup import prepare_sequence_parallel, ring_sp_settings
 
 TOKENS_KEY = "ring_sp_num_tokens"  # the global batch's tokens (TRL's num_tokens metric), added to each shard
 _DROPPED = ("seq_idx",)  # TRL's padding-free key for linear-attention convolutions (no ring_sp model uses it)
@@ -117,15 +121,6 @@ class SFTShardCollator:
         return shard
 
 
-def _section(args: Any) -> rsp_ds.RingSPConfig | None:
-    """The enabled ``"ring_sp"`` section of ``args.deepspeed`` (before the Trainer reads it), or None."""
-    processed = getattr(args, "hf_deepspeed_config", None)
-    if processed is not None:
-        return rsp_ds.RingSPConfig.from_ds_config(processed.config)
-    deepspeed = getattr(args, "deepspeed", None)
-    return None if deepspeed is None else rsp_ds.RingSPConfig.from_ds_config(rsp_ds.load_config(deepspeed))
-
-
 class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
     """``trl.SFTTrainer`` for models with ``attn_implementation="ring_sp"`` under DeepSpeed.
 
@@ -138,12 +133,12 @@ class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
     ring_sp_topology: SequenceParallelTopology | None = None
 
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
-        sp = None if args is None else _section(args)
+        sp = None if args is None else ring_sp_settings(args)[0]
         if sp is not None:
             require_supported("trl", "ring_sp.integrations.transformers.SequenceParallelSFTTrainer")
             if getattr(args, "use_liger_kernel", False):
                 raise ValueError(
-                    f"SequenceParallelSFTTrainer does not support use_liger_kernel with the {rsp_ds.SECTION!r} section: "
+                    "SequenceParallelSFTTrainer does not support use_liger_kernel with ring_sp: "
                     "Liger's Triton kernels (GPU only, deprecated by TRL) are untested beside ring_sp's attention; for "
                     f"memory at long context TRL's fused LM head already tiles the loss and the section's "
                     f'"tiled_mlp": true tiles the MLP; set use_liger_kernel=False')
@@ -159,8 +154,8 @@ class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
         }
         for name, (present, fix) in refused.items():
             if present:
-                raise ValueError(f"SequenceParallelSFTTrainer does not support {name} with the {rsp_ds.SECTION!r} "
-                                 f"section; {fix}")
+                raise ValueError(f"SequenceParallelSFTTrainer does not support {name} with ring_sp ({self._source}); "
+                                 f"{fix}")
         inner = self.data_collator.collator  # SequenceParallelTrainer wrapped TRL's collator; shard TRL's batches
         pad_id = getattr(inner, "pad_token_id", None) or 0
         self.data_collator = SFTShardCollator(inner, self.ring_sp_topology, layout=self.ring_sp_config.layout,
@@ -224,10 +219,7 @@ class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
         metrics as token means over the whole eval set, summed over all ``DP x SP`` ranks once at the end."""
         if self.ring_sp_topology is None:
             return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
-        if not loss_only:
-            raise ValueError(f"SequenceParallelSFTTrainer.{'predict' if description == 'Prediction' else 'evaluate'} "
-                             f"without prediction_loss_only with the {rsp_ds.SECTION!r} section: {_NO_LOGITS}")
+        self._require_loss_only(description, prediction_loss_only)
         model, device = self.model, self.args.device
         sums = torch.zeros(4, dtype=torch.float64, device=device)
         counted: list[Any] = [None]  # the last batch counted: a replica out of batches repeats it, uncounted

@@ -1,4 +1,4 @@
-"""The Hugging Face ``Trainer`` (transformers 5.18, accelerate 1.15) with DeepSpeed and ring_sp.
+"""The Hugging Face ``Trainer`` (transformers 5.18, accelerate 1.15) with ring_sp, on DeepSpeed or FSDP2.
 
 A Trainer script whose DeepSpeed config has a ``"ring_sp"`` section changes by an import and
 three lines (``prepare_sequence_parallel``, ``attn_implementation``, the Trainer class)::
@@ -29,6 +29,12 @@ The collator still returns GLOBAL batches (``input_ids``, ``labels``, optional
   the section's ``tiled_mlp`` / ``tiled_loss`` / ``offload_checkpoints`` (applied by
   ``initialize``) make it the long-sequence step (:func:`..model_loss`'s tiled loss).
 
+FSDP2 instead of DeepSpeed (:mod:`.fsdp`): ``prepare_sequence_parallel(args, ulysses_size=2,
+ring_size=2)`` (the section's keys as keywords) with FSDP2 asked for through accelerate
+(``accelerate launch --config_file fsdp2.yaml``); no engine is routed, the loss is scaled for
+FSDP2's mean over all ranks, the data and evaluation are as above. On CPU ranks, where
+accelerate 1.15 sets no FSDP up, the trainer shards the model itself when it is built.
+
 Importing this module (with DeepSpeed installed) keeps DeepSpeed's CPU backend from
 JIT-compiling its C++ shared-memory op when ``TrainingArguments`` starts it
 (:func:`ring_sp.integrations.deepspeed.skip_cpu_inference_comm_build`, applied by
@@ -58,17 +64,19 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, rotate_checkpoints
+from transformers.training_args import ParallelMode
 
 from ring_sp import SequenceParallelTopology, sequence_parallel_loss
 from ring_sp.data import IGNORE_INDEX
 from ring_sp.integrations import deepspeed as rsp_ds
 from ring_sp.integrations.versions import require_supported
 
+from . import fsdp
 from .attention import ATTN_IMPLEMENTATION, registration, uses_ring_sp
-from .long_sequence import shard_loss_sum
+from .long_sequence import enable_long_sequence, shard_loss_sum
 # the setup around the Trainer; SequenceParallelCollator and prepare_sequence_parallel are re-exported
 from .trainer_setup import (SequenceParallelCollator, complete_checkpoint, mark_checkpoint_complete,
-                            prepare_sequence_parallel, ring_sp_engine, unshard)
+                            prepare_sequence_parallel, ring_sp_engine, ring_sp_settings, unshard)
 
 _NO_LOGITS = (
     "the logits are sharded over the sequence-parallel ranks, so predictions and compute_metrics are not available; "
@@ -87,10 +95,15 @@ class SequenceParallelTrainer(Trainer):
     ``ring_sp_topology`` is the grid (None without the section).
     """
 
+    ring_sp_fsdp = False  # class defaults: the base __init__ (TRL's too) may call overridden methods first
+    ring_sp_shards_itself = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        sp, self.ring_sp_fsdp = ring_sp_settings(self.args)  # FSDP2's keywords, else DeepSpeed's section
         config = self.accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed_enabled else None
-        sp = None if config is None else rsp_ds.RingSPConfig.from_ds_config(config)
+        if config is not None:
+            sp = rsp_ds.RingSPConfig.from_ds_config(config)
         self.ring_sp_config = sp
         section = {} if config is None else config.get(rsp_ds.SECTION)
         if isinstance(section, dict) and section.get("backend") == "auto":
@@ -102,15 +115,29 @@ class SequenceParallelTrainer(Trainer):
         if sp is None:
             if uses_ring_sp(self.model):
                 raise ValueError(
-                    f'the model uses attn_implementation="{ATTN_IMPLEMENTATION}" but the DeepSpeed config '
-                    f'(TrainingArguments.deepspeed) has no enabled "{rsp_ds.SECTION}" section; add one, e.g. '
-                    f'"ring_sp": {{"ulysses_size": 2, "ring_size": 2}}'
+                    f'the model uses attn_implementation="{ATTN_IMPLEMENTATION}" but ring_sp has no settings: with '
+                    f'DeepSpeed add an enabled "{rsp_ds.SECTION}" section to its config (TrainingArguments.deepspeed), '
+                    f'e.g. "ring_sp": {{"ulysses_size": 2, "ring_size": 2}}; with FSDP2 call '
+                    f"prepare_sequence_parallel(args, ulysses_size=2, ring_size=2) on these arguments"
                 )
             return
         self.ring_sp_topology = self._check_setup(sp)
         self.data_collator = SequenceParallelCollator(self.data_collator, self.ring_sp_topology, layout=sp.layout)
         # the loss below takes num_items_in_batch: the Trainer must not divide it by the GA steps again
         self.model_accepts_loss_kwargs = True
+        if self.ring_sp_fsdp:
+            self._set_up_fsdp2(sp)
+
+    def _set_up_fsdp2(self, sp: rsp_ds.RingSPConfig) -> None:
+        """FSDP2: the settings' tiled MLP / loss now (DeepSpeed's ``initialize`` applies them there), then
+        the model sharded here on CPU ranks, where accelerate does not (:mod:`.fsdp`); on GPUs accelerate
+        shards it when training starts."""
+        self.ring_sp_shards_itself = not fsdp.accelerate_shards(self.accelerator)
+        fsdp.check_trainer(self.args, self.accelerator, shards_itself=self.ring_sp_shards_itself)
+        if sp.long_sequence is not None:
+            enable_long_sequence(self.model, **sp.long_sequence)
+        if self.ring_sp_shards_itself:
+            self.model = self.model_wrapped = fsdp.shard_model(self.model, fsdp.fsdp_plugin(self.args))
 
     def _check_setup(self, sp: rsp_ds.RingSPConfig) -> SequenceParallelTopology:
         """Everything local that must hold, checked on every rank before any collective."""
@@ -125,17 +152,17 @@ class SequenceParallelTrainer(Trainer):
             if getattr(topology, key) != getattr(sp, key):
                 raise ValueError(
                     f"{rsp_ds.SECTION}.{key}={getattr(sp, key)!r} but the registered topology has {key}="
-                    f"{getattr(topology, key)!r}; call prepare_sequence_parallel(training_args) with this config"
+                    f"{getattr(topology, key)!r}; call prepare_sequence_parallel(training_args) with these settings"
                 )
         for key in ("layout", "backend"):
             if getattr(current, key) != getattr(sp, key):
                 raise ValueError(
                     f"{rsp_ds.SECTION}.{key}={getattr(sp, key)!r} but ring_sp was registered with {key}="
-                    f"{getattr(current, key)!r}; call prepare_sequence_parallel(training_args) with this config"
+                    f"{getattr(current, key)!r}; call prepare_sequence_parallel(training_args) with these settings"
                 )
         if not uses_ring_sp(self.model):
             raise ValueError(
-                f"the DeepSpeed config has a {rsp_ds.SECTION!r} section but the model's attn_implementation is "
+                f"ring_sp is set up ({self._source}) but the model's attn_implementation is "
                 f"{getattr(self.model.config, '_attn_implementation', None)!r}; build it with "
                 f'attn_implementation="{ATTN_IMPLEMENTATION}" (or call model.set_attn_implementation("ring_sp"))'
             )
@@ -150,6 +177,8 @@ class SequenceParallelTrainer(Trainer):
             "accelerator_config.split_batches": (args.accelerator_config.split_batches, "set it to False"),
             "accelerator_config.dispatch_batches": (bool(args.accelerator_config.dispatch_batches), "set it to False"),
             "n_gpu > 1 (DataParallel)": (args.n_gpu > 1, "launch one process per device"),
+            "TrainingArguments.deepspeed with FSDP2": (self.ring_sp_fsdp and self.is_deepspeed_enabled,
+                                                       "use one of the two"),
             "compute_metrics": (self.compute_metrics is not None, _NO_LOGITS),
             f"{rsp_ds.SECTION}.offload_checkpoints without gradient_checkpointing": (
                 sp.offload_checkpoints and not args.gradient_checkpointing,
@@ -157,8 +186,22 @@ class SequenceParallelTrainer(Trainer):
         }
         for name, (present, fix) in unsupported.items():
             if present:
-                raise ValueError(f"SequenceParallelTrainer does not support {name} with the {rsp_ds.SECTION!r} section; {fix}")
+                raise ValueError(f"{type(self).__name__} does not support {name} with ring_sp ({self._source}); {fix}")
         return topology
+
+    @property
+    def _source(self) -> str:
+        """Where ring_sp's settings came from, for messages."""
+        return ("prepare_sequence_parallel's keywords, FSDP2" if self.ring_sp_fsdp
+                else f"the DeepSpeed config's {rsp_ds.SECTION!r} section")
+
+    def _require_loss_only(self, description: str, prediction_loss_only: bool | None) -> None:
+        """Raise unless only the loss is asked for: the logits stay sharded (``_NO_LOGITS``)."""
+        loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
+        if not loss_only:
+            call = "predict" if description == "Prediction" else "evaluate"
+            raise ValueError(f"{type(self).__name__}.{call} without prediction_loss_only with ring_sp "
+                             f"({self._source}): {_NO_LOGITS}")
 
     # ---------------------------------------------------------------- engine and checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -167,8 +210,28 @@ class SequenceParallelTrainer(Trainer):
         if self.ring_sp_topology is None:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         resume = complete_checkpoint(self.args.output_dir, resume_from_checkpoint)
+        if self.ring_sp_fsdp:  # no DeepSpeed engine to route
+            return super().train(resume, *args, **kwargs)
         with ring_sp_engine():
             return super().train(resume, *args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; where the trainer sharded the model itself (FSDP2 on CPU ranks) the
+        whole state dict is gathered first (collective: every rank calls it) and rank 0 writes it."""
+        if not self.ring_sp_shards_itself:
+            return super().save_model(output_dir, _internal_call)
+        state_dict = fsdp.full_state_dict(self.model)
+        if dist.get_rank() == 0:  # not args.should_save: accelerate's state without FSDP sees every rank as rank 0
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        return None
+
+    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``Trainer``'s; where accelerate's state has no distributed type (FSDP2 on CPU ranks) it would log
+        rank 0's loss alone, so the loss is first averaged over all ranks as on GPUs."""
+        if (self.ring_sp_shards_itself and self.args.parallel_mode != ParallelMode.DISTRIBUTED
+                and self.control.should_log and self.state.global_step > self._globalstep_last_logged):
+            fsdp.mean_over_ranks_(tr_loss)  # reset to zero by the Trainer right after logging
+        return super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """``Trainer._save_checkpoint``, then the completion marker once every rank has written its
@@ -206,10 +269,7 @@ class SequenceParallelTrainer(Trainer):
         """
         if self.ring_sp_topology is None:
             return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        loss_only = self.args.prediction_loss_only if prediction_loss_only is None else prediction_loss_only
-        if not loss_only:
-            raise ValueError(f"SequenceParallelTrainer.{'predict' if description == 'Prediction' else 'evaluate'} "
-                             f"without prediction_loss_only with the {rsp_ds.SECTION!r} section: {_NO_LOGITS}")
+        self._require_loss_only(description, prediction_loss_only)
         model = self.model
 
         def loss_sum_of(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +358,8 @@ class SequenceParallelTrainer(Trainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         topology = self.ring_sp_topology
-        averaged = self.deepspeed is not None and rsp_ds.gradients_averaged_over_sp(self.deepspeed)
+        # FSDP2 averages gradients over all DP x SP ranks, as ZeRO-3 does (see .fsdp)
+        averaged = self.ring_sp_fsdp or (self.deepspeed is not None and rsp_ds.gradients_averaged_over_sp(self.deepspeed))
         loss_sum, count, outputs = self._shard_loss_sum(model, inputs)  # tiled when the section says so
         if num_items_in_batch is not None:
             # every rank claims an equal share of the step's count: summed over the SP group it is

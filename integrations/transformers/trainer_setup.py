@@ -1,7 +1,8 @@
 """Around the Hugging Face ``Trainer``: what ring_sp sets up before it and where accelerate calls out.
 
 * :func:`prepare_sequence_parallel`: the grid of ``TrainingArguments.deepspeed``'s
-  ``"ring_sp"`` section, registered as ``attn_implementation="ring_sp"`` before the model;
+  ``"ring_sp"`` section (or, under FSDP2, of its keywords: :mod:`.fsdp`), registered as
+  ``attn_implementation="ring_sp"`` before the model; :func:`ring_sp_settings`: which;
 * :class:`SequenceParallelCollator`: a collator of GLOBAL batches -> this rank's shard;
 * :func:`ring_sp_engine`: accelerate's ``deepspeed.initialize`` call routed to
   :func:`ring_sp.integrations.deepspeed.initialize` while the Trainer trains;
@@ -31,11 +32,12 @@ import torch.distributed as dist
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ring_sp import SequenceParallelTopology
+from ring_sp import SequenceParallelTopology, init_sequence_parallel
 from ring_sp.integrations import deepspeed as rsp_ds
 from ring_sp.integrations.deepspeed.engine import write_file_atomically
 from ring_sp.integrations.versions import require_supported
 
+from . import fsdp
 from .attention import register, registration
 from .data import shard_batch
 
@@ -53,25 +55,49 @@ def _ds_config(args: TrainingArguments) -> dict[str, Any] | None:
     return None if args.deepspeed is None else rsp_ds.load_config(args.deepspeed)
 
 
-def prepare_sequence_parallel(args: TrainingArguments) -> SequenceParallelTopology | None:
-    """Build the grid of ``args.deepspeed``'s ``"ring_sp"`` section and register ``attn_implementation="ring_sp"``.
+def prepare_sequence_parallel(args: TrainingArguments, **settings: Any) -> SequenceParallelTopology | None:
+    """Build ring_sp's grid and register ``attn_implementation="ring_sp"``; returns the topology or None.
 
-    Call it on every rank after ``TrainingArguments`` and BEFORE building the model (the
-    attention needs the groups). Returns the topology, or None when the config has no
-    enabled section (then nothing is registered and the Trainer runs as usual).
-    Collective over the default group.
+    DeepSpeed: ``prepare_sequence_parallel(args)`` reads ``args.deepspeed``'s ``"ring_sp"``
+    section. FSDP2 (no DeepSpeed): the same settings as keywords,
+    ``prepare_sequence_parallel(args, ulysses_size=2, ring_size=2, layout="zigzag")`` (the
+    section's keys, validated by the same ``RingSPConfig``; :mod:`.fsdp`), with FSDP2 asked
+    for through accelerate (``accelerate launch --config_file fsdp2.yaml`` or
+    ``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``); a DeepSpeed config and
+    keywords at once are refused. Call it on every rank after ``TrainingArguments`` and
+    BEFORE building the model (the attention needs the groups). None: no enabled settings
+    (nothing registered, the Trainer runs as usual). Collective over the default group.
     """
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"args must be transformers.TrainingArguments; got {type(args).__name__}")
     require_supported("accelerate", "ring_sp.integrations.transformers.trainer")
-    config = _ds_config(args)
-    sp = None if config is None else rsp_ds.RingSPConfig.from_ds_config(config)
-    if sp is None:
-        return None
-    args.device  # noqa: B018 -- sets up torch.distributed through accelerate/DeepSpeed as the Trainer will
-    topology = rsp_ds.build_topology(sp)
+    if settings:
+        sp = fsdp.keyword_settings(args, settings)  # validated before any communication
+        setattr(args, fsdp.SETTINGS_ATTR, sp)
+        if sp is None:
+            return None
+        args.device  # noqa: B018 -- sets up torch.distributed through accelerate as the Trainer will
+        fsdp.check_distributed(args, sp)
+        topology = init_sequence_parallel(sp.ulysses_size, sp.ring_size, placement=sp.placement)
+    else:
+        config = _ds_config(args)
+        sp = None if config is None else rsp_ds.RingSPConfig.from_ds_config(config)
+        if sp is None:
+            return None
+        args.device  # noqa: B018 -- sets up torch.distributed through accelerate/DeepSpeed as the Trainer will
+        topology = rsp_ds.build_topology(sp)
     register(topology, layout=sp.layout, backend=sp.backend, kv_exchange=sp.kv_exchange)
     return topology
+
+
+def ring_sp_settings(args: Any) -> tuple[rsp_ds.RingSPConfig | None, bool]:
+    """(ring_sp's enabled settings for ``args``, whether they are FSDP2's keywords): the keywords
+    :func:`prepare_sequence_parallel` kept on ``args``, else ``args.deepspeed``'s section."""
+    keywords = getattr(args, fsdp.SETTINGS_ATTR, None)
+    if keywords is not None:
+        return keywords, True
+    config = _ds_config(args) if getattr(args, "deepspeed", None) is not None else None
+    return (None if config is None else rsp_ds.RingSPConfig.from_ds_config(config)), False
 
 
 class SequenceParallelCollator:
@@ -181,4 +207,4 @@ def complete_checkpoint(output_dir: str, resume: str | bool | None) -> str | Non
 
 
 __all__ = ["COMPLETE_MARKER", "SequenceParallelCollator", "complete_checkpoint", "mark_checkpoint_complete",
-           "prepare_sequence_parallel", "ring_sp_engine", "unshard"]
+           "prepare_sequence_parallel", "ring_sp_engine", "ring_sp_settings", "unshard"]

@@ -1,0 +1,194 @@
+"""FSDP2 under the sequence-parallel trainers: accelerate's ``fsdp_version: 2``, no DeepSpeed.
+
+ring_sp's settings come as keywords, ``prepare_sequence_parallel(args, ulysses_size=2,
+ring_size=2, ...)``, validated by the same :class:`ring_sp.integrations.deepspeed.RingSPConfig`
+as DeepSpeed's ``"ring_sp"`` section (:func:`keyword_settings`), and are kept on the
+arguments (:data:`SETTINGS_ATTR`) for the trainer. FSDP2 itself is asked for as accelerate
+asks for it: ``accelerate launch --config_file fsdp2.yaml`` (``ACCELERATE_USE_FSDP=true``,
+``FSDP_VERSION=2`` in each rank's environment) or ``TrainingArguments(fsdp=True,
+fsdp_config={"version": 2})``. What accelerate 1.15 then does depends on the device:
+
+* GPUs: the ``AcceleratorState`` becomes ``DistributedType.FSDP``, the Trainer sees
+  ``is_fsdp_enabled`` and ``accelerator.prepare`` shards the model when training starts
+  (``fsdp2_prepare_model``: ``fully_shard`` on every decoder layer, the embeddings, the
+  final norm + LM head, the root; mixed precision, offload and activation checkpointing from
+  the plugin). The trainer leaves it all to accelerate.
+* CPU ranks: ``AcceleratorState`` turns FSDP on only for GPU-like device types, so the
+  state stays ``DistributedType.NO``, the plugin is dropped, the model would be neither
+  sharded nor its gradients synchronised. The trainer therefore shards it itself when it is
+  built (:func:`shard_model`), with accelerate's own ``fsdp2_prepare_model`` and the same
+  plugin, so both devices wrap the same modules the same way.
+
+Either way FSDP2 reduce-scatters each gradient as the MEAN over all ``DP x SP`` ranks (its
+mesh is the whole world; a ``parallelism_config`` is refused), as ZeRO-3 does: the loss is
+built with ``gradients_averaged_over_sp=True``. Imports accelerate only inside functions.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ring_sp.integrations.deepspeed.config import SECTION, RingSPConfig  # pure Python, no DeepSpeed import
+
+SETTINGS_ATTR = "ring_sp_fsdp_settings"  # TrainingArguments attribute: the keyword settings (a RingSPConfig)
+_LAUNCH = ("accelerate launch --config_file examples/trl/fsdp2.yaml (distributed_type: FSDP, fsdp_version: 2), "
+           "or on GPUs TrainingArguments(fsdp=True, fsdp_config={'version': 2})")
+
+
+def requested_fsdp_version(args: Any) -> int | None:
+    """The FSDP version ``args`` or accelerate's launcher asks for, or None without FSDP.
+
+    ``TrainingArguments(fsdp=...)`` first (transformers' ``fsdp_plugin_args``), else the
+    environment ``accelerate launch`` sets from an FSDP config (``ACCELERATE_USE_FSDP``,
+    ``FSDP_VERSION``, whose unset default is accelerate's own: 1).
+    """
+    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    if plugin_args is not None:
+        return int(plugin_args.get("fsdp_version", 1))
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        return int(os.environ.get("FSDP_VERSION", "1"))
+    return None
+
+
+def keyword_settings(args: Any, settings: Mapping[str, Any]) -> RingSPConfig | None:
+    """``prepare_sequence_parallel``'s keywords, validated; None when they say ``enabled=False``.
+
+    Refused, before any communication: keywords beside a DeepSpeed config (its ``"ring_sp"``
+    section is the DeepSpeed way), no FSDP at all, FSDP1, ``offload_checkpoints``.
+    """
+    if getattr(args, "deepspeed", None) is not None:
+        raise ValueError(
+            f"prepare_sequence_parallel got keyword settings {dict(settings)} AND TrainingArguments.deepspeed: give "
+            f'ring_sp\'s settings one way only; with DeepSpeed put them in its config\'s "{SECTION}" section and call '
+            f"prepare_sequence_parallel(args) without keywords; the keywords are for FSDP2 (no deepspeed=)")
+    sp = RingSPConfig.from_dict(settings)  # unknown keys and bad values name the key
+    if not sp.enabled:
+        return None
+    version = requested_fsdp_version(args)
+    if version is None:
+        raise ValueError(
+            f"prepare_sequence_parallel(args, {', '.join(f'{k}={v!r}' for k, v in settings.items())}) sets ring_sp up "
+            f"for FSDP2, but FSDP is not configured: launch with {_LAUNCH}; for DeepSpeed use its config's "
+            f'"{SECTION}" section instead of keywords')
+    if version != 2:
+        raise ValueError(
+            f"FSDP version {version} (fsdp_version / FSDP_VERSION) is not supported with ring_sp: FSDP1 wraps the "
+            f"model in flat parameters whose gradient reduction ring_sp's loss does not account for; set "
+            f"fsdp_version: 2 in the accelerate config (fsdp_config={{'version': 2}})")
+    if sp.offload_checkpoints:
+        raise ValueError(
+            "offload_checkpoints=True is not supported under FSDP2 (it is applied at DeepSpeed's engine set-up); "
+            "drop it, or train with DeepSpeed and the config's \"ring_sp\" section")
+    return sp
+
+
+def check_distributed(args: Any, sp: RingSPConfig) -> None:
+    """After ``args.device``: the process group exists and accelerate will not wrap the model in DDP."""
+    from accelerate.utils import DistributedType
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"ring_sp under FSDP2 needs one process per rank and torch.distributed set up: launch with {_LAUNCH}")
+    sp.check_world_size(dist.get_world_size())
+    kind = args.distributed_state.distributed_type
+    if kind == DistributedType.MULTI_CPU:
+        raise ValueError(
+            "TrainingArguments(use_cpu=True) (or ACCELERATE_USE_CPU) with FSDP2: accelerate 1.15 then wraps the model "
+            "in DistributedDataParallel instead of sharding it; leave use_cpu False (ranks without a GPU train on CPU "
+            "anyway) and launch with the FSDP2 config")
+    if kind == DistributedType.NO and getattr(args, "fsdp_plugin_args", None) is not None:
+        raise ValueError(
+            "TrainingArguments(fsdp=...) on CPU ranks: transformers refuses it there (accelerate sees no distributed "
+            "device type); ask for FSDP2 through accelerate launch's config instead (ACCELERATE_USE_FSDP=true, "
+            "FSDP_VERSION=2), e.g. accelerate launch --config_file examples/trl/fsdp2.yaml")
+
+
+def accelerate_shards(accelerator: Any) -> bool:
+    """Whether accelerate itself runs FSDP2 (GPUs); False where its state stayed without FSDP (CPU ranks)."""
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if state.distributed_type != DistributedType.FSDP:
+        return False
+    version = getattr(state.fsdp_plugin, "fsdp_version", 1)
+    if version != 2:
+        raise ValueError(f"accelerate runs FSDP version {version}; ring_sp supports fsdp_version: 2")
+    return True
+
+
+def check_trainer(args: Any, accelerator: Any, *, shards_itself: bool) -> None:
+    """What must hold for the trainer under FSDP2 (names the argument and the fix)."""
+    refused = {
+        "parallelism_config": (getattr(args, "parallelism_config", None) is not None
+                               or getattr(accelerator, "parallelism_config", None) is not None,
+                               "drop it: ring_sp's grid is the sequence parallelism, FSDP2 shards over all ranks"),
+    }
+    if shards_itself:
+        where = "on CPU ranks, where the trainer shards the model itself"
+        save = getattr(args.save_strategy, "value", args.save_strategy)  # transformers' SaveStrategy enum
+        refused.update({
+            f"save_strategy={save!r} {where}": (
+                save != "no",
+                "set save_strategy='no' and call trainer.save_model() at the end (a full state dict); FSDP2 "
+                "checkpoints are accelerate's, on GPUs"),
+            f"mixed precision (bf16/fp16) {where}": (bool(args.bf16 or args.fp16), "train in fp32 on CPU"),
+        })
+    for name, (present, fix) in refused.items():
+        if present:
+            raise ValueError(f"ring_sp under FSDP2 does not support {name}; {fix}")
+
+
+def fsdp_plugin(args: Any) -> Any:
+    """The plugin accelerate would use: from ``TrainingArguments(fsdp=...)``, else from the launcher's environment."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    return FullyShardedDataParallelPlugin(**plugin_args) if plugin_args else FullyShardedDataParallelPlugin()
+
+
+def shard_model(model: torch.nn.Module, plugin: Any) -> torch.nn.Module:
+    """``model`` sharded over all ranks with accelerate's ``fsdp2_prepare_model``, in place (CPU ranks).
+
+    Before the optimizer exists (its parameters are then the sharded ones). The plugin's
+    options that accelerate applies outside that function on GPUs (activation
+    checkpointing, offload, rank-0 loading) are refused here rather than dropped.
+    """
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    unsupported = {
+        "activation_checkpointing": (plugin.activation_checkpointing,
+                                     "use TrainingArguments(gradient_checkpointing=True)"),
+        "cpu_offload": (isinstance(plugin.cpu_offload, CPUOffloadPolicy), "the ranks are on CPU already; set it false"),
+        "cpu_ram_efficient_loading": (plugin.cpu_ram_efficient_loading, "set it false (every rank builds the model)"),
+    }
+    for name, (present, fix) in unsupported.items():
+        if present:
+            raise ValueError(f"FSDP2 {name} on CPU ranks (the trainer shards the model itself there): {fix}")
+    # the part of the Accelerator fsdp2_prepare_model reads; no device mesh: the whole world
+    view = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None, mixed_precision="no",
+                           is_main_process=dist.get_rank() == 0, device=torch.device("cpu"))
+    return fsdp2_prepare_model(view, model)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on CPU (collective: every rank calls it; every rank gets it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def mean_over_ranks_(value: torch.Tensor) -> None:
+    """``value`` becomes its mean over all ranks, in place (gloo has no AVG: sum, then divide)."""
+    dist.all_reduce(value)
+    value.div_(dist.get_world_size())
+
+
+__all__ = ["SETTINGS_ATTR", "accelerate_shards", "check_distributed", "check_trainer", "fsdp_plugin",
+           "full_state_dict", "keyword_settings", "mean_over_ranks_", "requested_fsdp_version", "shard_model"]

@@ -152,3 +152,48 @@ def test_python_dash_m_runs() -> None:
     done = subprocess.run([sys.executable, "-m", "ring_sp.plan", *ARGS, "--ulysses", "5"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "ulysses=5 must divide the SP degree 32" in done.stderr
+
+
+MAX_LEN = ["--model", "llama-3-8b", "--world-size", "8", "--max-seq-len", "--alst"]
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    return {cells[1].strip(): [c.strip() for c in cells[2:-1]] for cells in
+            (line.split("|") for line in text.splitlines() if line.startswith(("| ALST ", "| ring_sp ")))}
+
+
+def test_max_seq_len_json_matches_the_table(capsys) -> None:
+    """--json works with --max-seq-len: the same rows as the text table, each with its binding limit,
+    host bytes per node, head chunks and int32 check; the text keeps `| library U x R | longest sequence |`."""
+    assert main(MAX_LEN) == 0
+    text = _rows(capsys.readouterr().out)
+    assert main([*MAX_LEN, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [f"{r['library']} {r['ulysses']} x {r['ring']}" for r in data["rows"]] == list(text)
+    for row in data["rows"]:
+        cells = text[f"{row['library']} {row['ulysses']} x {row['ring']}"]
+        assert cells[0] == f"{row['longest_sequence']:,}" and cells[1] == f"{row['tokens_per_gpu']:,}"
+        assert cells[4] == f"{row['host_bytes_per_node'] / 2**30:.2f}" and cells[5] == row["bound_by"]
+        assert cells[6] == str(row["head_chunks"]) and row["bound_by"] in ("GPU memory", "host memory")
+        assert row["host_bytes_per_node"] <= data["host_memory_bytes_per_node"]
+    alst = data["rows"][0]
+    assert alst["library"] == "ALST" and alst["int32"]["elements"] >= 2**31 and "2^31" in text["ALST 8 x 1"][7]
+    assert data["host_memory_bytes_per_node"] == 1900 * 2**30
+
+
+def test_max_seq_len_says_when_host_memory_binds(capsys) -> None:
+    """600 GiB of RAM per node of 8 cannot back ALST's offloaded checkpoints at its GPU limit: the row says
+    "host memory" and is shorter, and a note names it."""
+    assert main(MAX_LEN) == 0
+    roomy = _rows(capsys.readouterr().out)["ALST 8 x 1"]
+    assert main([*MAX_LEN, "--host-memory-gib", "600"]) == 0
+    out = capsys.readouterr().out
+    tight = _rows(out)["ALST 8 x 1"]
+    assert roomy[5] == "GPU memory" and tight[5] == "host memory"
+    assert int(tight[0].replace(",", "")) < int(roomy[0].replace(",", "")) and float(tight[4]) <= 600
+    assert "note: host memory binds for ALST 8 x 1" in out
+    assert main([*MAX_LEN, "--host-memory-gib", "0"]) == 2
+    assert "host-memory-gib=0 must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*MAX_LEN, "--head-chunks", "0"])
+    assert "head-chunks='0' must be a positive integer or 'auto'" in capsys.readouterr().err

@@ -9,6 +9,10 @@
 * ALST configured (Ulysses only, its tiling and offload, ZeRO-3, bf16): Llama-3-8B's longest
   sequence on 8 and 32 H100-80GB within 25% of the published 3.7M and 15M tokens; at 64 and
   128 GPUs Ulysses is capped by the 32 heads while ring_sp's grid keeps scaling.
+* Issue 30 (pure functions, hand-computed bytes, ~0.1 s in all): lean layers and head chunks
+  shrink the layer's kept and transient bytes by the expected amounts; ALST's Liger fused loss
+  and one-layer offload; the host bytes (power-of-two pinned blocks, the offloaded optimizer),
+  the host bound binding and named; the int32-index flag at its threshold.
 """
 
 from __future__ import annotations
@@ -153,3 +157,112 @@ def test_cli_errors_and_whole_step(capsys) -> None:
                           "--tiled", "--checkpointing"]) == 0
     out = capsys.readouterr().out
     assert "whole step at 1048576 tokens (131072 per GPU)" in out and "fits in 80 GiB" in out
+
+
+# --- issue 30: lean layers, head chunks, ALST's own pieces, the host bound, the int32 flag ---------------------------
+
+LLAMA_8B = sm.PRESETS["llama-3-8b"]
+
+
+def test_lean_layers_shrink_what_a_layer_keeps_by_the_norms_and_mlp() -> None:
+    """Per token and layer in bf16: two HF RMSNorms keep 8 bytes per hidden unit each, lean ones 2 plus one fp32
+    rstd (2 x (32768 - 8196) = 49144 bytes less); an untiled HF gated MLP keeps gate, up, act and product, a
+    lean one gate and up (2 x 2 x 14336 = 57344 bytes less); tiled, only the norms differ."""
+    from ring_sp.plan.layer_memory import layer_kept
+
+    n = 4096
+    for tiled, saved in ((False, 49144 + 57344), (True, 49144)):
+        hf = sm.Training(dtype="bf16", tiled_mlp=tiled)
+        lean = sm.Training(dtype="bf16", tiled_mlp=tiled, lean_layers=True)
+        for u, r in ((1, 8), (8, 1)):
+            assert layer_kept(LLAMA_8B, hf, n=n, ulysses=u, ring=r) - layer_kept(
+                LLAMA_8B, lean, n=n, ulysses=u, ring=r) == n * saved
+    # Liger's modules (kernels="fused") stay when lean layers are asked for too: never both
+    fused = sm.Training(dtype="bf16", kernels="fused")
+    assert layer_kept(LLAMA_8B, fused, n=n, ulysses=8, ring=1) == layer_kept(
+        LLAMA_8B, sm.Training(dtype="bf16", kernels="fused", lean_layers=True), n=n, ulysses=8, ring=1)
+
+
+def test_head_chunks_shrink_the_attention_backward_by_the_chunk_share() -> None:
+    """U=1 x R=8 (8 KV heads on every rank), per token in bf16: unchunked the backward holds 69632 bytes (fp32 dq
+    accumulator 16384, own KV + two inbox slots 12288, fp32 [dK; dV] double buffer 16384, one block's fp32
+    gradients 24576); in k chunks the whole sequence-layout dq, dk, dv (12288) plus 1/k of that and of the
+    chunk's contiguous q, out, dout (24576). Kept tensors do not change: q, k, v and out once, and lse."""
+    from ring_sp.plan.layer_memory import ring_sp_attention
+
+    n = 1000
+    at = lambda chunks: ring_sp_attention(LLAMA_8B, sm.Training(head_chunks=chunks), n=n, ulysses=1, ring=8)  # noqa: E731
+    assert at(None) == (n * 20608, n * 69632)
+    for chunks in (2, 4, 8):
+        assert at(chunks) == (n * 20608, n * (12288 + 94208 // chunks))
+    assert at("auto") == at(8)
+    # U=8: one KV head per rank, so one chunk at most ("auto" = 1 = unchunked); more is refused, naming it
+    assert ring_sp_attention(LLAMA_8B, sm.Training(head_chunks="auto"), n=n, ulysses=8, ring=1) == \
+        ring_sp_attention(LLAMA_8B, sm.Training(), n=n, ulysses=8, ring=1)
+    with pytest.raises(PlanError, match=r"head-chunks=2 exceeds the 1 KV head\(s\) a rank holds at U=8"):
+        sm.step_memory(LLAMA_8B, sm.Training(head_chunks=2), seq_len=8 * 1024, ulysses=8)
+    # and the whole step's transient falls with them
+    base = dict(dtype="bf16", zero_stage=3, checkpointing=True, tiled_mlp=True, tiled_loss=True)
+    steps = [sm.step_memory(LLAMA_8B, sm.Training(**base, head_chunks=k), seq_len=2**20, ring=8) for k in (1, 8)]
+    assert steps[1].transient < steps[0].transient and steps[1].head_chunks == 8
+
+
+def test_alst_uses_ligers_fused_loss_and_brings_one_checkpoint_back() -> None:
+    """ALST with Liger (its published recipe): Liger's fused linear cross entropy, chunks of
+    next_power_of_2(ceil(n / ceil(vocab / hidden))) tokens of bf16 logits; its offload copies one layer's
+    checkpoint back at a time where ring_sp's prefetches the next (two on the device)."""
+    from ring_sp.plan.layer_memory import liger_chunk, loss_phase
+
+    assert [liger_chunk(LLAMA_8B, n) for n in (100, 16384, 564096)] == [4, 512, 32768]
+    n = 16384
+    e, h, v = 2, 4096, 128256
+    assert loss_phase(LLAMA_8B, sm.alst(), n) == n * e * h + (512 * v * e + n * e * h + v * h * e + n * 4) + v * h * e
+    tiled_alst = sm.Training(dtype="bf16", zero_stage=3, tiled_loss=True, library="alst")  # Liger off: ALST's tiled loss
+    assert loss_phase(LLAMA_8B, tiled_alst, n) == n * 8 * h + 2092 * v * 12 + n * e * h + v * h * e
+    alst_step = sm.step_memory(LLAMA_8B, sm.alst(), seq_len=8 * n, ulysses=8)
+    ours = sm.step_memory(LLAMA_8B, sm.long_sequence(), seq_len=8 * n, ulysses=8)
+    assert (alst_step.checkpoints, ours.checkpoints) == (n * e * h, 2 * n * e * h)
+
+
+def test_host_memory_counts_checkpoints_and_the_offloaded_optimizer() -> None:
+    """Per rank: 32 layers of [n, 4096] bf16 checkpoints (256 KiB per token), in power-of-two pinned blocks for
+    ring_sp's CudaMover, exact for ALST's pageable copies; 16 bytes per parameter of the rank's ZeRO shard."""
+    from ring_sp.plan.host_memory import pinned_block
+
+    assert [pinned_block(b) for b in (1, 4096, 4097, 3 * 2**30)] == [1, 4096, 8192, 4 * 2**30]
+    n = 300_000
+    alst_host = sm.step_memory(LLAMA_8B, sm.alst(), seq_len=8 * n, ulysses=8).host
+    ours = sm.step_memory(LLAMA_8B, sm.long_sequence(), seq_len=8 * n, ulysses=8).host
+    exact = sm.step_memory(LLAMA_8B, sm.long_sequence(pinned_rounding=False), seq_len=8 * n, ulysses=8).host
+    assert alst_host.checkpoints == exact.checkpoints == 32 * n * 8192 == n * 256 * 1024
+    assert ours.checkpoints == 32 * 4 * 2**30  # 300,000 x 8192 bytes = 2.3 GiB -> a 4 GiB block per layer
+    assert alst_host.optimizer == ours.optimizer == LLAMA_8B.params * 16 / 8
+    assert ours.params == 0 and sm.step_memory(
+        LLAMA_8B, sm.Training(zero_stage=3, offload_params=True), seq_len=8 * n, ulysses=8).host.params == \
+        LLAMA_8B.params * 2 / 8
+
+
+def test_the_host_bound_binds_and_is_named() -> None:
+    """A small host (300 GiB per node of 8) stops ALST before its GPUs do; the search stops exactly where one
+    more step of the sequence would not fit the host, and names the limit."""
+    gpu, host = H100 - 2**30, 300 * 2**30
+    free = sm.longest_sequence(LLAMA_8B, sm.alst(), gpu, ulysses=8)
+    bound = sm.longest_sequence(LLAMA_8B, sm.alst(), gpu, ulysses=8, host_bytes=host, ranks_per_node=8)
+    assert free.bound_by == "GPU memory" and bound.bound_by == "host memory" and bound.tokens < free.tokens
+    assert bound.host_per_node <= host
+    beyond = sm.step_memory(LLAMA_8B, sm.alst(), seq_len=bound.tokens + 16, ulysses=8)
+    assert beyond.host.total * 8 > host and beyond.total <= gpu
+
+
+def test_int32_index_flag_at_the_threshold() -> None:
+    """n x hidden >= 2^31 (n = 524,288 at hidden 4096) flags flash-attn 2 and Liger's Triton norm / RoPE for
+    ALST; ring_sp's attention kernel sees one head chunk's q, so with 8 chunks only from 8x that n."""
+    from ring_sp.plan.index_limits import int32_risk
+
+    at = lambda t, n, u: int32_risk(LLAMA_8B, t, n=n, ulysses=u)  # noqa: E731
+    assert not at(sm.alst(), 2**19 - 1, 8).flagged
+    flagged = at(sm.alst(), 2**19, 8)
+    assert flagged.elements == 2**31 and flagged.kernels == ("flash-attn 2 (ALST's attention)",
+                                                             "Liger RMSNorm/RoPE before Liger-Kernel#804")
+    assert at(sm.long_sequence(), 2**19, 8).kernels == ("flash-attn 2 (ring_sp's flash_attn backend)",)
+    assert not at(sm.long_sequence(), 8 * 2**19 - 1, 1).flagged and at(sm.long_sequence(), 8 * 2**19, 1).flagged

@@ -6,8 +6,14 @@ shape rules): :mod:`~ring_sp.plan.request` (cluster, model, workload), :mod:`~ri
 candidate), :mod:`~ring_sp.plan.search` (every runnable split, fastest first),
 :mod:`~ring_sp.plan.exchange_choice` (``kv_exchange="auto"``, the one question the runtime
 asks), :mod:`~ring_sp.plan.step_memory` (a whole training step's memory and the longest
-sequence that fits), :mod:`~ring_sp.plan.presets` (GPUs and links) and
-:mod:`~ring_sp.plan.cli` (the ``ring-sp plan`` / ``python -m ring_sp.plan`` entry point, :func:`main`).
+sequence that fits GPU and host memory) with its parts: :mod:`~ring_sp.plan.transformer`
+(the model's shapes, presets), :mod:`~ring_sp.plan.training` (how the step runs; ALST's and
+ring_sp's long-sequence recipes), :mod:`~ring_sp.plan.layer_memory` (one layer's kept and
+transient bytes), :mod:`~ring_sp.plan.host_memory` (what offloading puts in host RAM) and
+:mod:`~ring_sp.plan.index_limits` (kernels with 32-bit indexing);
+:mod:`~ring_sp.plan.longest` (the ``--max-seq-len`` table and JSON),
+:mod:`~ring_sp.plan.presets` (GPUs and links) and :mod:`~ring_sp.plan.cli` (the
+``ring-sp plan`` / ``python -m ring_sp.plan`` entry point, :func:`main`).
 """
 
 from .cli import main

@@ -11,7 +11,9 @@ exits with status 2 and the reason. The model is :mod:`ring_sp.plan.search`.
 The whole training step (:mod:`ring_sp.plan.step_memory`): ``--model`` (a preset or an HF
 ``config.json``) adds the vocabulary and MLP, and with the training options (ZeRO stage,
 checkpointing and offload, tiling, ``--alst``) the peak memory per GPU of one step with its
-breakdown; ``--max-seq-len`` prints the longest sequence that fits per grid:
+breakdown; ``--max-seq-len`` prints the longest sequence that fits per grid, the GPU's memory
+and the node's host memory (``--host-memory-gib``) alike, naming the limit that binds, with
+the int32-index check (``--json`` prints the same rows as JSON; :mod:`ring_sp.plan.longest`):
 
     ring-sp plan --model llama-3-8b --world-size 64 --max-seq-len --zero-stage 3 \
         --offload-optimizer --checkpointing --offload-checkpoints --tiled
@@ -29,11 +31,15 @@ from dataclasses import asdict, replace
 from ..grid import PLACEMENTS
 from ..shapes import check_ulysses_heads
 from ..validation import KV_EXCHANGES
+from . import longest
 from . import step_memory as sm
 from .layer_time import Candidate
 from .presets import DEFAULT_EFFICIENCY, DEFAULT_LATENCY_US, GPUS, LINKS
 from .request import DTYPES, Cluster, ModelShape, PlanError, Workload
 from .search import Plan, plan
+from .training import HEAD_CHUNKS_AUTO
+
+HOST_GIB_PER_GPU = 1900 / 8  # ALST's nodes: 1.9 TB of RAM for 8 H100s (issue 30)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -87,10 +93,24 @@ def _parser() -> argparse.ArgumentParser:
     step.add_argument("--tiled", action="store_true", help="tiled MLP and tiled logits+loss (enable_long_sequence)")
     step.add_argument("--tile-tokens", type=int, help="tokens per tile (default: sized by ring_sp, ring_sp.shapes.auto_tile_tokens)")
     step.add_argument("--alst", action="store_true",
-                      help="configure as DeepSpeed ALST: Ulysses only, bf16, ZeRO-3 with the optimizer offloaded, "
-                           "checkpoints offloaded, TiledMLP and tiled loss, fused kernels")
+                      help="configure as DeepSpeed ALST's published recipe: Ulysses only, bf16, ZeRO-3 with the "
+                           "optimizer offloaded, checkpoints offloaded, TiledMLP, Liger's kernels and fused linear "
+                           "cross entropy; beside it ring_sp's rows with enable_long_sequence's defaults")
     step.add_argument("--reserved-gib", type=float, default=1.0,
                       help="per-GPU memory that is not tensors: CUDA context, NCCL buffers (default 1.0)")
+    step.add_argument("--lean-layers", action=argparse.BooleanOptionalAction, default=None,
+                      help="ring_sp's lean RMSNorm / RoPE / gated MLP (default: on with --tiled and for ring_sp's "
+                           "rows under --alst, as enable_long_sequence)")
+    step.add_argument("--head-chunks", type=_head_chunks, metavar="N|auto",
+                      help="ring_sp's attention in chunks of heads (default: auto with --tiled and under --alst, "
+                           "as enable_long_sequence; else 1)")
+    step.add_argument("--offload-params", action="store_true", help="ZeRO-3 parameter shards on the host")
+    step.add_argument("--pinned-rounding", action=argparse.BooleanOptionalAction, default=None,
+                      help="offloaded checkpoints in power-of-two pinned host blocks (default: ring_sp yes, as "
+                           "torch's caching host allocator does for its CudaMover; ALST no, pageable copies)")
+    step.add_argument("--host-memory-gib", type=float,
+                      help=f"host RAM per node of --gpus-per-node GPUs (default {HOST_GIB_PER_GPU * 8:g} GiB per 8 "
+                           "GPUs, as on ALST's nodes): offloaded checkpoints, optimizer and parameters must fit")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -110,13 +130,30 @@ def _model(args: argparse.Namespace) -> sm.Transformer | None:
     return model
 
 
+def _head_chunks(text: str) -> int | str:
+    """--head-chunks: a positive integer or "auto"."""
+    if text == HEAD_CHUNKS_AUTO:
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"head-chunks={text!r} must be a positive integer or 'auto'")
+    return value
+
+
 def _training(args: argparse.Namespace) -> sm.Training:
     if args.alst:
         return sm.alst()
+    lean = args.tiled if args.lean_layers is None else args.lean_layers  # enable_long_sequence: lean with tiling
+    chunks = args.head_chunks if args.head_chunks is not None else HEAD_CHUNKS_AUTO if args.tiled else None
     return sm.Training(dtype=args.dtype, zero_stage=args.zero_stage, offload_optimizer=args.offload_optimizer,
                        checkpointing=args.checkpointing, offload_checkpoints=args.offload_checkpoints,
                        tiled_mlp=args.tiled, tiled_loss=args.tiled, mlp_tile_tokens=args.tile_tokens,
-                       loss_tile_tokens=args.tile_tokens, reserved_bytes=args.reserved_gib * 2**30)
+                       loss_tile_tokens=args.tile_tokens, reserved_bytes=args.reserved_gib * 2**30,
+                       lean_layers=lean, head_chunks=chunks, offload_params=args.offload_params,
+                       pinned_rounding=args.pinned_rounding)
 
 
 def _request(args: argparse.Namespace) -> tuple[Cluster, ModelShape, Workload]:
@@ -200,47 +237,42 @@ def _render_step(step: sm.StepMemory, memory: float) -> str:
     """The whole step's peak per GPU and its breakdown."""
     parts = ", ".join(f"{name} {_gib(value)}" for name, value in step.breakdown().items() if value)
     verdict = "fits" if step.total <= memory else "does NOT fit"
+    host = step.host
+    on_host = "" if not host.total else (
+        f"\n  host memory per GPU: {_gib(host.total)} GiB (checkpoints {_gib(host.checkpoints)}, optimizer "
+        f"{_gib(host.optimizer)}, parameters {_gib(host.params)}; --max-seq-len checks it against --host-memory-gib)")
     return (f"whole step at {step.seq_len} tokens ({step.tokens_per_rank} per GPU): peak {_gib(step.total)} GiB per GPU, "
-            f"{verdict} in {memory / 2**30:.0f} GiB\n  {parts} (GiB)")
+            f"{verdict} in {memory / 2**30:.0f} GiB\n  {parts} (GiB){on_host}")
+
+
+def max_seq_len_request(args: argparse.Namespace, model: sm.Transformer) -> longest.Request:
+    """The --max-seq-len question: --world-size GPUs of --gpu-memory-gib, --host-memory-gib per node,
+    every Ulysses size the heads allow (--ulysses pins one) and, with --alst, ALST's published
+    recipe next to ring_sp's own pieces (enable_long_sequence's defaults) under the same ZeRO-3
+    and offload settings."""
+    gpu = GPUS[args.gpu]
+    memory = (args.gpu_memory_gib if args.gpu_memory_gib is not None else gpu.memory_gib) * 2**30
+    host = (args.host_memory_gib if args.host_memory_gib is not None else HOST_GIB_PER_GPU * args.gpus_per_node) * 2**30
+    if host <= 0:
+        raise PlanError(f"host-memory-gib={host / 2**30:g} must be positive (GiB of RAM per node)")
+    reserved = args.reserved_gib * 2**30
+    if args.alst:  # the reserved memory is the GPU's, whoever trains
+        ours = sm.long_sequence(reserved, lean_layers=True if args.lean_layers is None else args.lean_layers,
+                                head_chunks=HEAD_CHUNKS_AUTO if args.head_chunks is None else args.head_chunks,
+                                pinned_rounding=args.pinned_rounding)
+        recipes = (("ALST", replace(sm.alst(), reserved_bytes=reserved), True), ("ring_sp", ours, False))
+    else:
+        training = _training(args)
+        recipes = ((training.library, training, False),)
+    return longest.Request(model, args.world_size, args.gpus_per_node, args.sp_size or args.world_size, memory, host,
+                           recipes, args.ulysses)
 
 
 def render_max_seq_len(args: argparse.Namespace, model: sm.Transformer) -> str:
-    """The longest sequence per U x R (every Ulysses size the heads allow; --ulysses pins one) on
-    --world-size GPUs of --gpu-memory-gib, the peak's breakdown, and, with --alst, what ALST
-    (Ulysses only) reaches next to ring_sp's grid with the same tiling and offload."""
-    gpu = GPUS[args.gpu]
-    memory = (args.gpu_memory_gib if args.gpu_memory_gib is not None else gpu.memory_gib) * 2**30
-    sp = args.sp_size or args.world_size
-    training = _training(args)
-    if args.alst:  # the reserved memory is the GPU's, whoever trains
-        training = sm.Training(**{**training.__dict__, "reserved_bytes": args.reserved_gib * 2**30})
-    lines = [f"ring-sp plan --max-seq-len: {model.name} ({model.params / 1e9:.2f}B parameters), SP degree {sp} of "
-             f"{args.world_size} GPUs x {memory / 2**30:.0f} GiB, {training.dtype}, ZeRO-{training.zero_stage}"
-             f"{' (optimizer offloaded)' if training.offload_optimizer else ''}, "
-             f"{'checkpointing' + (' offloaded' if training.offload_checkpoints else '') if training.checkpointing else 'no checkpointing'}, "
-             f"{'tiled MLP and loss' if training.tiled_mlp else 'untiled'}, {training.library}", "",
-             "| library U x R | longest sequence | tokens per GPU | peak GiB | breakdown (GiB) |", "|---|---|---|---|---|"]
-    grids = [(u, sp // u) for u in ([args.ulysses] if args.ulysses else [u for u in range(1, sp + 1) if sp % u == 0])]
-    rows = [("ALST", training, [(sp, 1)])] if args.alst else [(training.library, training, grids)]
-    if args.alst:  # ring_sp with ALST's recipe (its own kernels and tiles): what the grid adds
-        rows.append(("ring_sp", sm.Training(dtype="bf16", zero_stage=3, offload_optimizer=True, checkpointing=True,
-                                             offload_checkpoints=True, tiled_mlp=True, tiled_loss=True,
-                                             reserved_bytes=training.reserved_bytes), grids))
-    for name, recipe, shapes in rows:
-        for u, r in shapes:
-            label = f"{name} {u} x {r}"
-            try:
-                check_ulysses_heads(model.heads, model.kv_heads, u) if u > 1 else None
-            except ValueError as exc:
-                lines.append(f"| {label} | cannot run: {exc} | | | |")
-                continue
-            tokens, step = sm.max_seq_len(model, recipe, memory, ulysses=u, ring=r)
-            if step is None:
-                lines.append(f"| {label} | nothing fits | | | |")
-                continue
-            parts = ", ".join(f"{part} {_gib(value)}" for part, value in step.breakdown().items() if value)
-            lines.append(f"| {label} | {tokens:,} | {step.tokens_per_rank:,} | {_gib(step.total)} | {parts} |")
-    return "\n".join(lines)
+    """The longest sequence per library and U x R, with the breakdown, the host memory per node,
+    the binding limit, the head chunks and the int32-index check (:mod:`ring_sp.plan.longest`)."""
+    req = max_seq_len_request(args, model)
+    return longest.render(req, longest.rows(req))
 
 
 def _as_json(result: Plan, step: sm.StepMemory | None = None) -> str:
@@ -270,8 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise PlanError("--max-seq-len needs --model (the vocabulary and MLP size the step's memory depends on)")
             if args.seq_len is not None:
                 raise PlanError("--max-seq-len searches the length: drop --seq-len")
-            text = render_max_seq_len(args, whole)
-            print(text)
+            req = max_seq_len_request(args, whole)
+            table = longest.rows(req)
+            print(longest.as_json(req, table) if args.json else longest.render(req, table))
             return 0
         if args.seq_len is None:
             raise PlanError("--seq-len is required (or --max-seq-len with --model)")

@@ -1,0 +1,213 @@
+"""One layer's memory on one rank: what it keeps for its backward and what its backward holds.
+
+Counts in bytes for ``n`` tokens on the rank, from the modules' saved tensors:
+
+* transformers' modules (``kernels="hf"``): RMSNorm keeps its fp32 input and normalised value
+  plus its output (8 bytes per hidden unit, fp32 and bf16 alike), RoPE the rotated q / k,
+  the gated MLP gate, up, activation and product;
+* Liger's (``kernels="fused"``): RMSNorm its output and one fp32 rstd per row (its input is
+  the residual stream, kept anyway), RoPE nothing, SwiGLU gate and up (the product is
+  ``down_proj``'s input);
+* ring_sp's lean layers (``lean_layers=True``): RMSNorm as Liger's, RoPE nothing beyond
+  positions, an untiled gated MLP gate and up only (act and product recomputed);
+* the attention: ring_sp's (:func:`ring_sp.plan.layer_cost.attention_memory`; with head
+  chunks, :func:`ring_sp_attention`) or ALST's (:func:`alst_attention_memory`).
+
+Nothing here grows with the GLOBAL sequence: every term is per token on the rank, or per
+parameter (position ids, int64 per local token, are below the model's resolution).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..shapes import GATED_MLP_TILE_TENSORS, LOSS_TILE_TENSORS, auto_tile_tokens, kv_heads_per_rank
+from .layer_cost import attention_memory
+from .request import PlanError, dtype_bytes
+from .training import HEAD_CHUNKS_AUTO, Training
+from .transformer import Transformer
+
+FP32 = 4
+ALST_LOSS_TILE_BYTES = 2**30  # ALST sizes its loss tiles to 1 GiB of fp32 logits
+
+
+def pieces(training: Training) -> str:
+    """Whose norm / RoPE / MLP modules run: "hf", "fused" (Liger's, which lean layers leave in
+    place) or "lean" (ring_sp's)."""
+    return "lean" if training.lean_layers and training.kernels == "hf" else training.kernels
+
+
+def norm_kept(model: Transformer, training: Training) -> int:
+    """Bytes one RMSNorm keeps per token (its input, the residual stream, is counted there)."""
+    e, _ = dtype_bytes(training.dtype)
+    return 2 * FP32 * model.hidden if pieces(training) == "hf" else e * model.hidden + FP32
+
+
+def mlp_kept(model: Transformer, training: Training) -> int:
+    """Bytes an untiled gated MLP keeps per token beyond its input: hf gate, up, act, product;
+    Liger gate, up and the product (down_proj's input); lean gate and up."""
+    e, _ = dtype_bytes(training.dtype)
+    return {"hf": 4, "fused": 3, "lean": 2}[pieces(training)] * e * model.ffn
+
+
+def head_chunk_count(model: Transformer, training: Training, ulysses: int) -> int:
+    """Chunks of heads ring_sp's attention runs in (1 for ALST and unchunked). A chunk holds
+    whole GQA groups, so at most the KV heads a rank holds after the all-to-all; "auto" takes
+    that many (the finest split: at long context every chunk's messages stay large)."""
+    if training.library != "ring_sp" or training.head_chunks in (None, 1):
+        return 1
+    most = kv_heads_per_rank(model.kv_heads, ulysses)
+    if training.head_chunks == HEAD_CHUNKS_AUTO:
+        return most
+    if training.head_chunks > most:
+        raise PlanError(f"head-chunks={training.head_chunks} exceeds the {most} KV head(s) a rank holds at "
+                        f"U={ulysses} ({model.kv_heads} KV heads): a chunk holds whole GQA groups; use at most "
+                        f"{most}, or 'auto'")
+    return training.head_chunks
+
+
+def alst_attention_memory(model: Transformer, *, n: int, ulysses: int, dtype: str) -> tuple[float, float]:
+    """(kept, backward working) bytes of one layer's attention in ALST on ``n`` tokens per rank:
+    ``UlyssesSPAttentionHF`` all-to-alls q, k, v to head layout (KV heads replicated up to one
+    per rank when fewer than ``ulysses``) and the output back; flash-attention 2 keeps its
+    inputs, output and lse, and in the backward holds an fp32 dq accumulator and, for GQA,
+    dk / dv expanded to the q heads; the output is kept again in sequence layout (o_proj's input)."""
+    e, _ = dtype_bytes(dtype)
+    q = n * model.q_width  # elements of q (or out, dq) on this rank in either layout
+    m = max(1, model.kv_heads // ulysses)
+    kv = 2 * n * ulysses * m * model.head_dim  # k and v after the all-to-all
+    lse = n * model.heads * FP32
+    kept = e * (q + kv + q + q) + lse  # q, k, v and out in head layout; out in sequence layout
+    expanded = model.heads // ulysses > m  # flash-attention 2 expands dk / dv to the q heads (GQA)
+    working = e * q * 2 + FP32 * q + e * q + e * (2 * q if expanded else kv)  # dout x 2 layouts, dq accum, dq, dk/dv
+    return kept, working
+
+
+def ring_sp_attention(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int
+                      ) -> tuple[float, float]:
+    """(kept, backward working) bytes of ring_sp's attention on this rank, q / k / v in sequence
+    layout included. Unchunked: :func:`attention_memory` (with Ulysses the head-layout q, packed
+    k / v, out and lse are kept; without it the ring keeps q, k, v themselves). In ``k`` head
+    chunks: the sequence-layout q, k, v and out (o_proj's input, the same tensor) and lse are
+    kept once; the backward fills whole sequence-layout dq, dk, dv one chunk at a time, and the
+    largest chunk's share of the unchunked working set exists at once, plus its head-layout
+    q, out (and dout, already in the working set), its k / v after the all-to-all and one
+    all-to-all's send copy (without Ulysses: contiguous copies of the chunk's q, out, dout)."""
+    e, acc = dtype_bytes(training.dtype)
+    q, kv = model.q_width, model.kv_width
+    mem = attention_memory(ulysses=ulysses, ring=ring, batch=1, local_len=n, heads=model.heads,
+                           kv_heads=model.kv_heads, head_dim=model.head_dim, dtype=training.dtype)
+    chunks = head_chunk_count(model, training, ulysses)
+    if chunks == 1:
+        # without Ulysses the ring keeps q, k, v (rotation keeps no input); with it the
+        # all-to-all keeps nothing and the head-layout copies are in mem.kept
+        return (e * n * (q + 2 * kv) if ulysses == 1 else 0) + mem.kept, mem.working
+    m = kv_heads_per_rank(model.kv_heads, ulysses)
+    share = math.ceil(m / chunks) / m  # the largest chunk's share of the rank's heads
+    kv_shard = 2 * n * ulysses * m * model.head_dim  # packed [k; v] in head layout, all chunks
+    kept = e * n * (2 * q + 2 * kv) + n * model.heads * acc
+    per_chunk = mem.working + e * (3 * n * q + (kv_shard if ulysses > 1 else 0))
+    return kept, e * n * (q + 2 * kv) + share * per_chunk
+
+
+def attention(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int) -> tuple[float, float]:
+    """(kept, backward working) bytes of one layer's attention on this rank, either library."""
+    if training.library == "alst":
+        if ring != 1:
+            raise PlanError("ALST has no ring: its sequence-parallel degree is the Ulysses size (ring=1)")
+        kept, working = alst_attention_memory(model, n=n, ulysses=ulysses, dtype=training.dtype)
+        e, _ = dtype_bytes(training.dtype)
+        return kept + (e * n * (model.q_width + 2 * model.kv_width) if ulysses == 1 else 0), working
+    return ring_sp_attention(model, training, n=n, ulysses=ulysses, ring=ring)
+
+
+def layer_kept(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int) -> float:
+    """Bytes one layer keeps for its backward (no checkpointing), ``n`` tokens on this rank,
+    its output (the next layer's input) included."""
+    e, _ = dtype_bytes(training.dtype)
+    residual = e * model.hidden  # the residual after attention; the layer's output below
+    mlp = 0 if training.tiled_mlp else mlp_kept(model, training)
+    kept_attention = attention(model, training, n=n, ulysses=ulysses, ring=ring)[0]
+    return n * (2 * norm_kept(model, training) + 2 * residual + mlp) + kept_attention
+
+
+def mlp_tile(model: Transformer, training: Training, n: int) -> int:
+    """Tokens per MLP tile (``n`` untiled)."""
+    if not training.tiled_mlp:
+        return n
+    if training.mlp_tile_tokens is not None:
+        return min(n, training.mlp_tile_tokens)
+    if training.library == "alst":  # ALST: ceil(n / hidden) tiles
+        return math.ceil(n / math.ceil(n / model.hidden))
+    width = dtype_bytes(training.dtype)[0]  # ring_sp sizes the tile: its working set no larger than [n, hidden]
+    return auto_tile_tokens(n, kept_width=model.hidden, kept_bytes=width, tile_width=GATED_MLP_TILE_TENSORS * model.ffn,
+                            tile_bytes=width)
+
+
+def loss_tile(model: Transformer, training: Training, n: int) -> int:
+    """Tokens per loss tile (``n`` untiled); Liger's own chunks are :func:`liger_chunk`."""
+    if not training.tiled_loss:
+        return n
+    if training.loss_tile_tokens is not None:
+        return min(n, training.loss_tile_tokens)
+    if training.library == "alst":
+        return min(n, max(1, ALST_LOSS_TILE_BYTES // (FP32 * model.vocab)))
+    # ring_sp sizes the tile: its fp32 logits and their gradient no larger than the [n, hidden] hidden state
+    return auto_tile_tokens(n, kept_width=model.hidden, kept_bytes=dtype_bytes(training.dtype)[0],
+                            tile_width=LOSS_TILE_TENSORS * model.vocab, tile_bytes=FP32)
+
+
+def liger_chunk(model: Transformer, n: int) -> int:
+    """Tokens per chunk of Liger's fused linear cross entropy (liger_kernel/ops/
+    fused_linear_cross_entropy.py): ``next_power_of_2(ceil(n / ceil(vocab / hidden)))``, at most n."""
+    chunk = math.ceil(n / math.ceil(model.vocab / model.hidden))
+    return min(n, 1 << max(0, chunk - 1).bit_length())
+
+
+def loss_phase(model: Transformer, training: Training, n: int) -> float:
+    """The loss's peak on top of what the step keeps.
+
+    Untiled, at its backward: log-softmax's fp32 output and two fp32 gradients of ``[n, vocab]``.
+    ring_sp tiled (``tiling.py``): one tile's fp32 logits and their gradient (plus the head's
+    output and its gradient in the model dtype when it is not fp32), the head's gradient summed
+    into ONE fp32 accumulator (``addmm_``), the ``[n, hidden]`` input gradient. ALST's tiled loss:
+    cross entropy's own backward per tile (three fp32 ``[t, vocab]``; each tile's head gradient
+    added to .grad after they are freed). Liger's fused linear cross entropy (ALST with Liger):
+    one chunk's logits in the model dtype (the gradient is written in place), the input gradient,
+    the head's gradient in the parameter's dtype and an fp32 loss per token, all taken in the
+    forward. Plus the final norm's kept tensors and, under ZeRO-3, the gathered head.
+    """
+    e, _ = dtype_bytes(training.dtype)
+    h, v = model.hidden, model.vocab
+    final = n * (2 * FP32 * h if pieces(training) == "hf" else e * h)
+    t = loss_tile(model, training, n)
+    if training.liger_loss:
+        logits = liger_chunk(model, n) * v * e + n * e * h + v * h * e + n * FP32
+    elif not training.tiled_loss:
+        logits = t * v * 3 * FP32
+    elif training.library == "ring_sp":
+        logits = t * v * (2 * FP32 + (2 * e if e != FP32 else 0)) + v * h * FP32 + n * e * h
+    else:
+        logits = t * v * 3 * FP32 + n * e * h
+    head = v * h * e if training.zero_stage >= 3 else 0.0
+    return final + logits + head
+
+
+def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int,
+                         recompute: float) -> float:
+    """One layer's backward: the incoming gradient and the residual's, the layer's activations
+    (``recompute``: its kept tensors when checkpointed, else 0) and the larger of the MLP's
+    working set (two ``[tokens, ffn]`` gradients; tiled: one tile's activations and gradients,
+    the ``[n, hidden]`` input gradient and output the tiles fill) and the attention's backward."""
+    e, _ = dtype_bytes(training.dtype)
+    h = model.hidden
+    tile = mlp_tile(model, training, n)
+    acts = {"hf": 4, "fused": 3, "lean": 4}[pieces(training)] * e * model.ffn  # lean recomputes act and product
+    mlp = 2 * e * model.ffn * tile + ((acts * tile + 2 * n * e * h) if training.tiled_mlp else 0)
+    att = attention(model, training, n=n, ulysses=ulysses, ring=ring)[1]
+    return 2 * n * e * h + recompute + max(mlp, att)
+
+
+__all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "attention", "head_chunk_count", "layer_backward_phase",
+           "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_kept", "mlp_tile", "norm_kept", "pieces",
+           "ring_sp_attention"]

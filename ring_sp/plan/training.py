@@ -1,0 +1,135 @@
+"""How a training step runs (:class:`Training`), and the two recipes the CLI compares.
+
+:func:`alst` is DeepSpeed ALST's published recipe, each modelled piece with its source;
+:func:`long_sequence` is ring_sp's ``enable_long_sequence`` defaults (tiles sized by the
+library, lean layers, head chunks "auto") under the same ZeRO-3 and offload settings, so
+the two rows of ``ring-sp plan --max-seq-len --alst`` differ only in what each library
+brings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .request import PlanError, dtype_bytes
+
+HEAD_CHUNKS_AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the step runs. ``zero_stage`` shards over ``zero_ranks`` (None: the SP degree);
+    ``master_weights`` (None: when ``dtype`` is not fp32) keeps fp32 copies for Adam;
+    ``offload_optimizer``: moments, master weights and fp32 gradients live on the host
+    (DeepSpeed ``offload_optimizer``); ``offload_params``: ZeRO-3's parameter shards too
+    (``offload_param``); ``kernels``: "hf" (transformers' modules) or "fused" (Liger's
+    RMSNorm / SwiGLU / RoPE; with ``library="alst"`` also Liger's fused linear cross entropy,
+    as ArcticTraining's trainer uses it); ``library``: "ring_sp" (its attention,
+    :func:`ring_sp.plan.layer_cost.attention_memory`, and tiles, :mod:`ring_sp.tiling`) or
+    "alst" (DeepSpeed's Ulysses around flash-attention 2 and its ``TiledMLP`` /
+    ``TiledFusedLogitsLoss``); tile sizes in tokens (None: the library default: ring_sp's
+    ``auto_tile_tokens``; ALST's MLP ``ceil(n / hidden)`` tiles, its loss 1 GiB of fp32 logits
+    per tile).
+
+    ring_sp only: ``lean_layers`` (``enable_long_sequence(lean_layers=True)``: RMSNorm keeps its
+    input and one fp32 rstd per row, RoPE nothing, an untiled gated MLP its gate and up);
+    ``head_chunks`` (None or 1: unchunked; an int; "auto": the most the GQA groups allow):
+    the attention's head-layout buffers, ring rotation and fp32 accumulators exist for one
+    chunk of heads at a time. ``pinned_rounding`` (None: the library's): offloaded checkpoints
+    live in pinned host blocks rounded up to a power of two (torch's caching host allocator,
+    which ring_sp's ``CudaMover`` uses); ALST copies them to pageable memory of their exact size.
+    """
+
+    dtype: str = "bf16"
+    zero_stage: int = 0
+    zero_ranks: int | None = None
+    master_weights: bool | None = None
+    offload_optimizer: bool = False
+    checkpointing: bool = False
+    offload_checkpoints: bool = False
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    mlp_tile_tokens: int | None = None
+    loss_tile_tokens: int | None = None
+    kernels: str = "hf"
+    library: str = "ring_sp"
+    reduce_bucket: int = 500_000_000  # DeepSpeed's reduce_bucket_size (elements), ZeRO >= 1
+    reserved_bytes: float = 0.0  # CUDA context, NCCL, ... (not tensors)
+    fragmentation: float = 0.0  # share of the transient memory lost to the allocator
+    lean_layers: bool = False
+    head_chunks: int | str | None = None
+    offload_params: bool = False
+    pinned_rounding: bool | None = None
+
+    def check(self) -> None:
+        """Raise :class:`PlanError` naming the first option that cannot be planned, and the fix."""
+        dtype_bytes(self.dtype)
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanError(f"zero-stage={self.zero_stage!r} must be 0, 1, 2 or 3")
+        if self.kernels not in ("hf", "fused"):
+            raise PlanError(f"kernels={self.kernels!r} must be 'hf' or 'fused'")
+        if self.library not in ("ring_sp", "alst"):
+            raise PlanError(f"library={self.library!r} must be 'ring_sp' or 'alst'")
+        if self.offload_checkpoints and not self.checkpointing:
+            raise PlanError("offload-checkpoints needs activation checkpointing: add --checkpointing")
+        if self.offload_params and self.zero_stage != 3:
+            raise PlanError(f"offload-params needs ZeRO stage 3 (parameters are sharded only there); "
+                            f"zero-stage={self.zero_stage}: add --zero-stage 3 or drop --offload-params")
+        for name in ("mlp_tile_tokens", "loss_tile_tokens", "zero_ranks"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise PlanError(f"{name.replace('_', '-')}={value!r} must be a positive integer")
+        chunks = self.head_chunks
+        if chunks is not None and chunks != HEAD_CHUNKS_AUTO and (
+                isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+            raise PlanError(f"head-chunks={chunks!r} must be a positive integer or 'auto'")
+        if self.library == "alst" and (self.lean_layers or chunks not in (None, 1)):
+            raise PlanError(f"lean-layers={self.lean_layers} / head-chunks={chunks!r} are ring_sp's pieces; ALST "
+                            f"(library='alst') has neither: drop them or use library='ring_sp'")
+        if self.pinned_rounding is not None and not isinstance(self.pinned_rounding, bool):
+            raise PlanError(f"pinned-rounding={self.pinned_rounding!r} must be True, False or None (the library's)")
+
+    @property
+    def liger_loss(self) -> bool:
+        """ALST with Liger on: Liger's fused linear cross entropy computes the loss, not ALST's
+        tiled loss (ArcticTraining ``sft_trainer.py``: ``if self.config.model.type == "liger"``)."""
+        return self.library == "alst" and self.kernels == "fused"
+
+    @property
+    def device_checkpoint_layers(self) -> int:
+        """Offloaded checkpoints on the device during the backward: ring_sp's ``OffloadedCheckpoint``
+        prefetches one layer ahead (two); ALST copies each back synchronously when its layer's
+        backward starts (one: ArcticTraining ``monkey_patches.py``, ``CheckpointFunctionWithCPUOffload``)."""
+        return 2 if self.library == "ring_sp" else 1
+
+    @property
+    def rounds_pinned(self) -> bool:
+        """Whether each offloaded checkpoint takes a power-of-two pinned host block (see the class)."""
+        return self.library == "ring_sp" if self.pinned_rounding is None else self.pinned_rounding
+
+
+def alst(zero_ranks: int | None = None) -> Training:
+    """ALST's published recipe (arXiv 2506.13996; ArcticTraining ``projects/sequence-parallelism/
+    run-h100-sp8-llama-8b.yml`` and ``-sp32-``): Ulysses only, bf16, ZeRO-3 with the optimizer on
+    the host (``offload_optimizer: cpu``, ``cpu_adam``), activation checkpointing with the
+    checkpoints offloaded (``activation_checkpoint_cpu_offload: true``: each layer's input
+    copied to pageable host memory, brought back synchronously), ``tiled_mlp_compute: true``
+    (TiledMLP, ``ceil(n / hidden)`` tiles) and ``model: type: "liger"``: Liger's RMSNorm, RoPE
+    and SwiGLU, and Liger's fused linear cross entropy for the loss (ArcticTraining
+    ``sft_trainer.py`` uses ALST's ``TiledFusedLogitsLoss`` only when Liger is off);
+    ``expandable_segments`` against fragmentation."""
+    return Training(dtype="bf16", zero_stage=3, zero_ranks=zero_ranks, offload_optimizer=True, checkpointing=True,
+                    offload_checkpoints=True, tiled_mlp=True, tiled_loss=True, kernels="fused",
+                    library="alst")
+
+
+def long_sequence(reserved_bytes: float = 0.0, *, lean_layers: bool = True,
+                  head_chunks: int | str | None = HEAD_CHUNKS_AUTO, pinned_rounding: bool | None = None) -> Training:
+    """ring_sp under ALST's ZeRO-3 / offload recipe with ``enable_long_sequence``'s defaults:
+    tiled MLP and loss with tiles sized by the library, lean layers on, head chunks "auto"."""
+    return Training(dtype="bf16", zero_stage=3, offload_optimizer=True, checkpointing=True, offload_checkpoints=True,
+                    tiled_mlp=True, tiled_loss=True, reserved_bytes=reserved_bytes, lean_layers=lean_layers,
+                    head_chunks=head_chunks, pinned_rounding=pinned_rounding)
+
+
+__all__ = ["HEAD_CHUNKS_AUTO", "Training", "alst", "long_sequence"]

@@ -28,6 +28,8 @@ from typing import Any, Protocol
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .shapes import PIECE_GRANULE, pinned_piece_sizes
+
 
 class Mover(Protocol):
     """Moves one saved tensor to the host and back. Each call starts a copy; ``wait`` finishes one."""
@@ -55,13 +57,41 @@ class HostMover:
         return pending
 
 
+def copy_into_pieces(raw: torch.Tensor, *, pin_memory: bool) -> list[torch.Tensor]:
+    """Host uint8 blocks of :func:`pinned_piece_sizes` holding ``raw`` (1-D uint8), copies started non-blocking."""
+    pieces, offset = [], 0
+    for size in pinned_piece_sizes(raw.numel()):
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+        length = min(size, raw.numel() - offset)
+        host[:length].copy_(raw[offset:offset + length], non_blocking=True)
+        pieces.append(host)
+        offset += length
+    return pieces
+
+
+def copy_from_pieces(pieces: list[torch.Tensor], raw: torch.Tensor) -> None:
+    """Start copying host ``pieces`` (from :func:`copy_into_pieces`) back into ``raw`` (1-D uint8)."""
+    offset = 0
+    for host in pieces:
+        length = min(host.numel(), raw.numel() - offset)
+        raw[offset:offset + length].copy_(host[:length], non_blocking=True)
+        offset += length
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's storage as a 1-D uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
 class CudaMover:
     """CUDA tensors to pinned host memory and back on one side stream, ordered by events.
 
     ``to_host``: the side stream waits for the current stream (the tensor is complete),
     copies into pinned memory and records the tensor on the side stream (its memory is not
-    reused before the copy ends). ``to_device``: the copy back runs on the same side stream
-    (so after the copy out). ``wait``: the current stream waits for that copy's event.
+    reused before the copy ends). The host copy is a few power-of-two pinned blocks
+    (:func:`pinned_piece_sizes`), so it takes its own size of RAM, not the next power of two.
+    ``to_device``: the copy back runs on the same side stream (so after the copy out).
+    ``wait``: the current stream waits for that copy's event.
     """
 
     def __init__(self) -> None:
@@ -72,21 +102,22 @@ class CudaMover:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]
 
-    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.device]:
+    def to_host(self, tensor: torch.Tensor) -> tuple[list[torch.Tensor], torch.Size, torch.dtype, torch.device]:
+        tensor = tensor.contiguous()  # on the current stream, before the side stream waits for it
         stream = self._stream(tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         with torch.cuda.stream(stream):
-            host.copy_(tensor, non_blocking=True)
+            pieces = copy_into_pieces(_bytes_of(tensor), pin_memory=True)
         tensor.record_stream(stream)
-        return host, tensor.device
+        return pieces, tensor.shape, tensor.dtype, tensor.device
 
-    def to_device(self, handle: tuple[torch.Tensor, torch.device]) -> tuple[torch.Tensor, torch.cuda.Event]:
-        host, device = handle
+    def to_device(self, handle: tuple[list[torch.Tensor], torch.Size, torch.dtype, torch.device]
+                  ) -> tuple[torch.Tensor, torch.cuda.Event]:
+        pieces, shape, dtype, device = handle
         stream = self._stream(device)
         with torch.cuda.stream(stream):
-            tensor = torch.empty(host.shape, dtype=host.dtype, device=device)
-            tensor.copy_(host, non_blocking=True)
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            copy_from_pieces(pieces, _bytes_of(tensor))
             done = torch.cuda.Event()
             done.record(stream)
         return tensor, done

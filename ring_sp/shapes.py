@@ -9,7 +9,8 @@ the runtime and still count exactly what the runtime allocates and sends:
   (:func:`softmax_stat_dtype`);
 * the bytes a recompute entry keeps besides out and lse (:data:`FINGERPRINT_BYTES`);
 * the tokens per tile of a tiled MLP or loss when the library sizes them
-  (:func:`auto_tile_tokens`).
+  (:func:`auto_tile_tokens`);
+* the pinned host blocks of an offloaded checkpoint (:func:`pinned_piece_sizes`).
 """
 
 from __future__ import annotations
@@ -70,3 +71,21 @@ def auto_tile_tokens(tokens: int, *, kept_width: int, kept_bytes: int, tile_widt
         return 1
     fitting = (tokens * kept_width * kept_bytes) // max(1, tile_width * tile_bytes)
     return max(1, min(tokens, max(floor, fitting)))
+
+
+PIECE_GRANULE = 2 * 2**20
+"""The smallest pinned piece of an offloaded checkpoint (bytes, a power of two)."""
+
+
+def pinned_piece_sizes(nbytes: int, granule: int = PIECE_GRANULE) -> list[int]:
+    """The pinned host blocks one offloaded copy of ``nbytes`` takes (:class:`ring_sp.offload.CudaMover`):
+    powers of two, largest first, summing to ``nbytes`` rounded up to ``granule``.
+
+    torch's caching host allocator rounds every pinned block up to the next power of two
+    (``CachingHostAllocator.h``, unless ``pinned_max_round_threshold_mb`` is set), so one block
+    per checkpoint of a 4.1 GiB layer input would take 8 GiB of the node's RAM; blocks that
+    ARE powers of two are taken as they are, and are reused from the allocator's cache by
+    the next step's checkpoints of the same size.
+    """
+    total = -(-nbytes // granule) * granule
+    return [1 << bit for bit in range(total.bit_length() - 1, -1, -1) if total >> bit & 1]

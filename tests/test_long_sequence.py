@@ -590,3 +590,23 @@ def test_examples_long_sequence_flags_train_as_untiled(example: str, extra: list
     assert len(plain) == len(tiled) == 3
     for a, b in zip(plain, tiled):
         assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(a["loss"]), (plain, tiled)
+
+
+def test_offloaded_checkpoints_take_their_own_size_of_host_memory() -> None:
+    """torch's pinned allocator rounds a block up to a power of two: the CUDA mover copies a checkpoint
+    into power-of-two pieces instead, so a 4.1 GiB layer input takes 4.1 GiB of host RAM, not 8."""
+    from ring_sp.offload import PIECE_GRANULE, copy_from_pieces, copy_into_pieces, pinned_piece_sizes
+
+    for nbytes in (0, 1, PIECE_GRANULE, 3 * PIECE_GRANULE + 5, int(4.1 * 2**30), 2**33):
+        sizes = pinned_piece_sizes(nbytes)
+        assert all(s & (s - 1) == 0 and s >= PIECE_GRANULE for s in sizes)  # each block is taken as it is
+        assert nbytes <= sum(sizes) < nbytes + PIECE_GRANULE
+        assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
+    assert sum(pinned_piece_sizes(int(4.1 * 2**30))) < 1.001 * 4.1 * 2**30  # one power-of-two block: 8 GiB
+    source = torch.randn(5, PIECE_GRANULE // 4 + 17, dtype=torch.bfloat16)  # 4 + 2 MiB pieces, the last partly filled
+    raw = source.reshape(-1).view(torch.uint8)
+    pieces = copy_into_pieces(raw, pin_memory=False)
+    assert [p.numel() for p in pieces] == pinned_piece_sizes(raw.numel()) == [2 * PIECE_GRANULE, PIECE_GRANULE]
+    back = torch.empty_like(source)
+    copy_from_pieces(pieces, back.reshape(-1).view(torch.uint8))
+    assert torch.equal(back, source)

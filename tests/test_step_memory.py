@@ -225,17 +225,19 @@ def test_alst_uses_ligers_fused_loss_and_brings_one_checkpoint_back() -> None:
 
 
 def test_host_memory_counts_checkpoints_and_the_offloaded_optimizer() -> None:
-    """Per rank: 32 layers of [n, 4096] bf16 checkpoints (256 KiB per token), in power-of-two pinned blocks for
-    ring_sp's CudaMover, exact for ALST's pageable copies; 16 bytes per parameter of the rank's ZeRO shard."""
+    """Per rank: 32 layers of [n, 4096] bf16 checkpoints (256 KiB per token), in power-of-two pinned pieces
+    for ring_sp's CudaMover (within 2 MiB of the size; one rounded block per checkpoint with
+    pinned_rounding=True), exact for ALST's pageable copies; 16 bytes per parameter of the rank's ZeRO shard."""
     from ring_sp.plan.host_memory import pinned_block
 
     assert [pinned_block(b) for b in (1, 4096, 4097, 3 * 2**30)] == [1, 4096, 8192, 4 * 2**30]
     n = 300_000
     alst_host = sm.step_memory(LLAMA_8B, sm.alst(), seq_len=8 * n, ulysses=8).host
     ours = sm.step_memory(LLAMA_8B, sm.long_sequence(), seq_len=8 * n, ulysses=8).host
-    exact = sm.step_memory(LLAMA_8B, sm.long_sequence(pinned_rounding=False), seq_len=8 * n, ulysses=8).host
-    assert alst_host.checkpoints == exact.checkpoints == 32 * n * 8192 == n * 256 * 1024
-    assert ours.checkpoints == 32 * 4 * 2**30  # 300,000 x 8192 bytes = 2.3 GiB -> a 4 GiB block per layer
+    rounded = sm.step_memory(LLAMA_8B, sm.long_sequence(pinned_rounding=True), seq_len=8 * n, ulysses=8).host
+    assert alst_host.checkpoints == 32 * n * 8192 == n * 256 * 1024
+    assert alst_host.checkpoints <= ours.checkpoints < alst_host.checkpoints + 32 * 2 * 2**20  # pieces: <= 2 MiB more
+    assert rounded.checkpoints == 32 * 4 * 2**30  # 300,000 x 8192 bytes = 2.3 GiB -> a 4 GiB block per layer
     assert alst_host.optimizer == ours.optimizer == LLAMA_8B.params * 16 / 8
     assert ours.params == 0 and sm.step_memory(
         LLAMA_8B, sm.Training(zero_stage=3, offload_params=True), seq_len=8 * n, ulysses=8).host.params == \

@@ -106,8 +106,9 @@ def _parser() -> argparse.ArgumentParser:
                            "as enable_long_sequence; else 1)")
     step.add_argument("--offload-params", action="store_true", help="ZeRO-3 parameter shards on the host")
     step.add_argument("--pinned-rounding", action=argparse.BooleanOptionalAction, default=None,
-                      help="offloaded checkpoints in power-of-two pinned host blocks (default: ring_sp yes, as "
-                           "torch's caching host allocator does for its CudaMover; ALST no, pageable copies)")
+                      help="model each offloaded checkpoint as ONE pinned host block rounded up to a power of two "
+                           "(torch's caching host allocator; default no: ring_sp's CudaMover copies into power-of-two "
+                           "pieces, ALST into pageable memory)")
     step.add_argument("--host-memory-gib", type=float,
                       help=f"host RAM per node of --gpus-per-node GPUs (default {HOST_GIB_PER_GPU * 8:g} GiB per 8 "
                            "GPUs, as on ALST's nodes): offloaded checkpoints, optimizer and parameters must fit")

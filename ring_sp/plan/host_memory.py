@@ -4,11 +4,13 @@
   every layer (``2 x hidden x layers`` bytes per token in bf16: 256 KiB for Llama-3-8B). What
   a reentrant checkpoint saves is its positional tensor arguments; transformers passes a
   decoder layer only ``hidden_states`` positionally (the rest, position embeddings included,
-  as keyword arguments bound in a ``partial``), so that is all that moves. ring_sp's
-  ``CudaMover`` allocates each with ``torch.empty(..., pin_memory=True)``: torch's caching host
-  allocator rounds every pinned block up to a power of two (``CachingHostAllocator.h``,
-  "Round up the allocation to the nearest power of two"), up to 2x the bytes; ALST copies to
-  pageable memory of the exact size (``tensor.cpu()``).
+  as keyword arguments bound in a ``partial``), so that is all that moves. torch's caching
+  host allocator rounds every pinned block up to a power of two (``CachingHostAllocator.h``,
+  "Round up the allocation to the nearest power of two"), up to 2x the bytes, so ring_sp's
+  ``CudaMover`` copies each checkpoint into power-of-two pieces
+  (:func:`ring_sp.shapes.pinned_piece_sizes`: the size rounded up to 2 MiB);
+  ``pinned_rounding=True`` models one rounded block per checkpoint. ALST copies to pageable
+  memory of the exact size (``tensor.cpu()``).
 * The offloaded optimizer (DeepSpeed ``offload_optimizer``): fp32 master weights, Adam's two
   fp32 moments and the fp32 gradients of the rank's ZeRO shard, 16 bytes per parameter.
 * Offloaded parameters (ZeRO-3 ``offload_param``): the rank's shard in the model dtype.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..shapes import pinned_piece_sizes
 from .request import dtype_bytes
 from .training import Training
 from .transformer import Transformer
@@ -53,7 +56,12 @@ def host_memory(model: Transformer, training: Training, *, n: int, sp: int) -> H
     checkpoints = 0.0
     if training.offload_checkpoints:
         one = n * model.hidden * e
-        checkpoints = model.layers * (pinned_block(one) if training.rounds_pinned else one)
+        if training.rounds_pinned:
+            checkpoints = model.layers * pinned_block(one)
+        elif training.library == "ring_sp":  # CudaMover's power-of-two pieces: within 2 MiB of the size
+            checkpoints = model.layers * sum(pinned_piece_sizes(one))
+        else:
+            checkpoints = model.layers * one
     optimizer = 0.0
     if training.offload_optimizer:
         optimizer = model.params * OFFLOADED_OPTIMIZER_BYTES / (shards if training.zero_stage >= 1 else 1)

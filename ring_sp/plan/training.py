@@ -35,9 +35,11 @@ class Training:
     input and one fp32 rstd per row, RoPE nothing, an untiled gated MLP its gate and up);
     ``head_chunks`` (None or 1: unchunked; an int; "auto": the most the GQA groups allow):
     the attention's head-layout buffers, ring rotation and fp32 accumulators exist for one
-    chunk of heads at a time. ``pinned_rounding`` (None: the library's): offloaded checkpoints
-    live in pinned host blocks rounded up to a power of two (torch's caching host allocator,
-    which ring_sp's ``CudaMover`` uses); ALST copies them to pageable memory of their exact size.
+    chunk of heads at a time. ``pinned_rounding`` (None/False: the libraries as they are): True
+    models offloaded checkpoints in ONE pinned host block each, rounded up to a power of two by
+    torch's caching host allocator (what ring_sp's ``CudaMover`` did before it copied into
+    power-of-two pieces, :func:`ring_sp.shapes.pinned_piece_sizes`); ALST copies them to
+    pageable memory of their exact size.
     """
 
     dtype: str = "bf16"
@@ -105,7 +107,7 @@ class Training:
     @property
     def rounds_pinned(self) -> bool:
         """Whether each offloaded checkpoint takes a power-of-two pinned host block (see the class)."""
-        return self.library == "ring_sp" if self.pinned_rounding is None else self.pinned_rounding
+        return bool(self.pinned_rounding)
 
 
 def alst(zero_ranks: int | None = None) -> Training:

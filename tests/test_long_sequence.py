@@ -417,7 +417,10 @@ def test_deepspeed_section_takes_and_checks_the_switches() -> None:
 
     assert RingSPConfig.from_dict({}).long_sequence is None  # off by default: existing configs unchanged
     section = {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": False, "tile_tokens": 512}
-    assert RingSPConfig.from_dict(section).long_sequence == {**section}
+    assert RingSPConfig.from_dict(section).long_sequence == {**section, "lean_layers": None}  # None: on with tiling
+    assert RingSPConfig.from_dict({**section, "lean_layers": False}).long_sequence["lean_layers"] is False
+    with pytest.raises(TypeError, match=r"ring_sp\.lean_layers must be true, false or null"):
+        RingSPConfig.from_dict({"tiled_mlp": True, "lean_layers": 1})
     with pytest.raises(ValueError, match=r"ring_sp\.tile_tokens=0 must be >= 1"):
         RingSPConfig.from_dict({"tiled_mlp": True, "tile_tokens": 0})
     with pytest.raises(TypeError, match=r"ring_sp\.tiled_loss must be true or false"):

@@ -4,7 +4,8 @@ Example section (every key optional; defaults shown in :class:`RingSPConfig`)::
 
     "ring_sp": {"ulysses_size": 2, "ring_size": 4, "layout": "zigzag",
                 "placement": "ulysses_inner", "backend": "auto", "kv_exchange": "ring",
-                "tiled_mlp": true, "tiled_loss": true, "offload_checkpoints": false, "tile_tokens": null}
+                "tiled_mlp": true, "tiled_loss": true, "offload_checkpoints": false, "tile_tokens": null,
+                "lean_layers": null}
 
 Everything here is pure Python (no DeepSpeed import, no communication), so every rank can
 check the section before the first collective, and errors name the key and the fix.
@@ -44,8 +45,8 @@ class RingSPConfig:
     ring (``ring_inner``) is made of consecutive ranks; ``backend`` the local attention
     kernel; ``kv_exchange`` how a ring group exchanges KV (``ring``, ``all_gather`` or
     ``auto``: see :func:`ring_sp.ring_attention`); ``enabled: false`` keeps the section but
-    turns ring_sp off. ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints`` and
-    ``tile_tokens`` switch on the long-sequence step (default off; see
+    turns ring_sp off. ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``, ``tile_tokens``
+    and ``lean_layers`` (null: on with tiling) switch on the long-sequence step (default off; see
     ``ring_sp.integrations.transformers.enable_long_sequence``).
     """
 
@@ -60,6 +61,7 @@ class RingSPConfig:
     tiled_loss: bool = False
     offload_checkpoints: bool = False
     tile_tokens: int | None = None
+    lean_layers: bool | None = None
 
     def __post_init__(self) -> None:
         for key in ("ulysses_size", "ring_size"):
@@ -79,6 +81,9 @@ class RingSPConfig:
             if not isinstance(getattr(self, key), bool):
                 raise TypeError(f"{SECTION}.{key} must be true or false; got {_describe(getattr(self, key))}")
         check_tile_tokens(self.tile_tokens, name=f"{SECTION}.tile_tokens")
+        if self.lean_layers is not None and not isinstance(self.lean_layers, bool):
+            raise TypeError(f"{SECTION}.lean_layers must be true, false or null (on with tiling); got "
+                            f"{_describe(self.lean_layers)}")
         if self.layout == "striped" and self.ulysses_size > 1 and self.ring_size > 1:
             # after the Ulysses all-to-all a ring rank would not hold a striped ring shard
             raise ValueError(
@@ -98,7 +103,8 @@ class RingSPConfig:
         if not (self.tiled_mlp or self.tiled_loss or self.offload_checkpoints):
             return None
         return {"tiled_mlp": self.tiled_mlp, "tiled_loss": self.tiled_loss,
-                "offload_checkpoints": self.offload_checkpoints, "tile_tokens": self.tile_tokens}
+                "offload_checkpoints": self.offload_checkpoints, "tile_tokens": self.tile_tokens,
+                "lean_layers": self.lean_layers}
 
     @classmethod
     def from_dict(cls, section: object) -> RingSPConfig:

@@ -250,7 +250,8 @@ def _refuse_sequence_parallel_model(model: torch.nn.Module, user_config: Mapping
 
 
 def _enable_long_sequence(model: torch.nn.Module, sp: RingSPConfig) -> None:
-    """The section's ``tiled_mlp`` / ``tiled_loss`` / ``offload_checkpoints`` / ``tile_tokens`` on ``model``.
+    """The section's ``tiled_mlp`` / ``tiled_loss`` / ``offload_checkpoints`` / ``tile_tokens`` /
+    ``lean_layers`` on ``model``.
 
     A model with an ``enable_long_sequence(**options)`` method of its own (the DeepSpeed GPT
     example) takes them itself; any other is a Hugging Face causal LM

@@ -14,6 +14,8 @@
   one ``[tile_tokens, vocab]`` tile at a time; Gemma's final soft-capping included). The
   head's module is called once, so a ZeRO-3 engine gathers its weight once per step; a tied
   embedding works alike. Outside :func:`model_loss` the head returns logits as before.
+* Lean layers: every RMSNorm keeps only its input and an fp32 rstd per row
+  (:mod:`.lean_layers`), on by default with tiling.
 * Offloaded checkpoints: with activation checkpointing on, the hidden state each checkpointed
   layer keeps lives in host memory (:mod:`ring_sp.offload`).
 
@@ -38,6 +40,7 @@ from ring_sp.data import IGNORE_INDEX
 from ring_sp.offload import OffloadedCheckpoint
 from ring_sp.tiling import check_tile_tokens
 
+from .lean_layers import check_lean_layers, set_lean_layers
 from .loss import loss_reduction
 # the modules the step rewrites; GATED_MLPS and PLAIN_HEADS are re-exported
 from .tiled_modules import (GATED_MLPS, PLAIN_HEADS, LossRequest, TiledGatedMLP, TiledHead, check_head, check_mlp,
@@ -52,6 +55,7 @@ class LongSequenceConfig:
     tiled_loss: bool
     offload_checkpoints: bool
     tile_tokens: int | None  # None: every tile sized by the library from the model and the shard
+    lean_layers: bool = False
 
 
 def _check_flag(name: str, value: object) -> bool:
@@ -74,7 +78,8 @@ def _unwrap(model: Any) -> nn.Module:
 # ---------------------------------------------------------------- the switch
 
 def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = True,
-                         offload_checkpoints: bool = False, tile_tokens: int | None = None) -> nn.Module:
+                         offload_checkpoints: bool = False, tile_tokens: int | None = None,
+                         lean_layers: bool | None = None) -> nn.Module:
     """Switch a Hugging Face causal LM to the long-sequence step, in place; returns ``model``.
 
     ``tiled_mlp``: every decoder MLP over tiles of ``tile_tokens`` tokens (exact; one
@@ -85,7 +90,9 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
     ``model.gradient_checkpointing_enable()`` first). ``tile_tokens``: tokens per tile
     (None, the default: sized by the library from the model and the shard, so that one
     tile's intermediates are no larger than the shard's ``[n, hidden]`` hidden state; see
-    :func:`ring_sp.shapes.auto_tile_tokens`). Local: no communication, so every
+    :func:`ring_sp.shapes.auto_tile_tokens`). ``lean_layers`` (None, the default: on when
+    anything is tiled): every RMSNorm keeps only its input and one fp32 rstd per row for the
+    backward (:mod:`.lean_layers`; exact). Local: no communication, so every
     rank raises the same error before any collective. Calling it again replaces the settings.
     """
     module = _unwrap(model)
@@ -93,10 +100,14 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
                         ("offload_checkpoints", offload_checkpoints)):
         _check_flag(name, value)
     tile = check_tile_tokens(tile_tokens)
+    if lean_layers is None:
+        lean_layers = tiled_mlp or tiled_loss
+    _check_flag("lean_layers", lean_layers)
     mlps = decoder_mlps(module) if tiled_mlp else []
     for name, mlp in mlps:
         check_mlp(name, mlp)
     head = check_head(module) if tiled_loss else None
+    norms = check_lean_layers(module) if lean_layers else []
     if offload_checkpoints:
         _check_checkpointing(module)
     # everything checked: now change the modules
@@ -108,7 +119,8 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
             unmix(sub)
     if head is not None:
         mix(head, TiledHead)
-    module.ring_sp_long_sequence = LongSequenceConfig(tiled_mlp, tiled_loss, offload_checkpoints, tile)
+    set_lean_layers(module, bool(norms))
+    module.ring_sp_long_sequence = LongSequenceConfig(tiled_mlp, tiled_loss, offload_checkpoints, tile, lean_layers)
     if offload_checkpoints:
         _install_offload(module)
     return model

@@ -262,7 +262,7 @@ def training_of(mode: LengthMode, cfg: LengthConfig) -> tuple[Training, int, int
     training = Training(dtype="fp32", tiled_mlp=mode.tiled, tiled_loss=mode.tiled,
                         mlp_tile_tokens=cfg.tile_tokens if ours else None,
                         loss_tile_tokens=cfg.tile_tokens if ours else cfg.loss_tile_tokens,
-                        library="ring_sp" if ours else "alst")
+                        library="ring_sp" if ours else "alst", lean_layers=ours and mode.tiled)  # on with tiling
     u = mode.ulysses if ranks > 1 else 1
     return training, u, ranks // u
 

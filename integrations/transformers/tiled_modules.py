@@ -59,7 +59,7 @@ class TiledGatedMLP:
 
 def check_mlp(name: str, mlp: nn.Module) -> None:
     """Raise unless ``mlp`` is a gated MLP this module knows (by class and structure)."""
-    cls = type(mlp).__name__
+    cls = getattr(type(mlp), "ring_sp_hf_class", type(mlp)).__name__  # a lean MLP names its HF class
     if isinstance(mlp, TiledGatedMLP):
         return
     if cls in _MOE_MLPS:

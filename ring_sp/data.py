@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .layouts import (Boundaries, as_boundaries, check_boundaries, check_layout, layout_index, layout_key,
+from .layouts import (Boundaries, as_boundaries, check_boundaries, check_layout, layout_index, layout_key, rank_positions,
                       padded_length)
 from .sequence_shards import shard_sequence
 
@@ -60,10 +60,13 @@ def token_checksum(values: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def shard_positions(layout: str, world_size: int, global_len: int, boundaries: Boundaries | None, rank: int,
                     device: torch.device) -> torch.Tensor:
-    """The ``position_ids`` :func:`shard_batch` gives ``rank`` (``[global_len / world_size]``, cached,
-    read-only): global positions in layout order, restarting at 0 in every document."""
-    index = layout_index(layout, world_size, global_len, layout_key(layout, boundaries), rank, device)
-    return index if boundaries is None else document_positions(boundaries, device)[index]
+    """The ``position_ids`` :func:`shard_batch` gives ``rank`` (``[global_len / world_size]``, read-only):
+    global positions in layout order, restarting at 0 in every document. Built from the rank's
+    own runs, never a tensor of the whole row."""
+    if boundaries is None:
+        return layout_index(layout, world_size, global_len, layout_key(layout, boundaries), rank, device)
+    # the rank's own positions (O(N/P)), never the whole row's document positions
+    return rank_positions(layout, world_size, global_len, rank, boundaries, in_document=True).to(device)
 
 
 def shard_positions_error(position_ids: torch.Tensor, *, layout: str, rank: int, world_size: int,

@@ -18,8 +18,12 @@ With ``P`` ranks and global length ``N`` (DESIGN.md section 3):
   exactly as before (TransformerEngine's THD partitioning). Causal work is balanced for
   any mix of document lengths (plain zigzag can be 2-3x off).
 
-Everything else (sharding, gathering, the post-Ulysses reorder, work counts) is derived
-from one function, :func:`layout_positions`, so the layout is defined exactly once.
+Everything else (sharding, gathering, the post-Ulysses reorder, the schedules, work counts)
+is derived from one function, :func:`shard_runs`: the runs of global positions ONE rank holds
+(over the SP group, or as a ring rank after the Ulysses all-to-all), so the layout is defined
+exactly once and a rank builds and keeps only its own tokens' entries: O(N/P) positions plus
+O(runs) metadata (runs: one or two per shard, two per document), never one per global token.
+:func:`layout_positions` and :func:`ring_positions` (every rank's, O(N)) are for tools and tests.
 In every layout a rank's local order is increasing in global position, so each document
 occupies one contiguous run of a shard (the packed ring schedule relies on it).
 
@@ -29,17 +33,15 @@ zigzag, ``P`` otherwise); :func:`ring_sp.shard_batch` pads any length to it at t
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+# Reorder and Boundaries are imported from here by the runtime (ring_sp.function, ring_sp.ulysses, ...)
+from .runs import Boundaries, Reorder, ShardRuns, document_slot_starts, memoised, sorted_reorder
+
 LAYOUTS = ("contiguous", "zigzag", "striped", "document_zigzag")
 
-# Document boundaries of the global packed sequence, as a hashable tuple (0, ..., N).
-Boundaries = tuple[int, ...]
 
 
 def as_boundaries(cu_seqlens: torch.Tensor | Sequence[int] | None) -> Boundaries | None:
@@ -107,69 +109,80 @@ def check_layout(layout: str, world_size: int, seq_len: int, *, name: str = "seq
         raise ValueError("layout='document_zigzag' needs cu_seqlens (the document boundaries); pass cu_seqlens=")
 
 
-def _cached(fn):
-    """Memoise ``fn``: plain layouts in a roomy cache, entries keyed by document boundaries
-    (a new packing can arrive every step, each entry O(N)) in a small one."""
-    plain, documents = functools.lru_cache(maxsize=256)(fn), functools.lru_cache(maxsize=8)(fn)
+@memoised(documents=64)  # a rank's schedule asks for every ring rank's runs
+def _shard_runs(layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int,
+                cu_seqlens: Boundaries | None) -> ShardRuns:
+    u, r, p = ulysses_size, ring_rank, ulysses_size * ring_size
 
-    @functools.wraps(fn)
-    def call(*args):
-        return (documents if any(isinstance(a, tuple) for a in args) else plain)(*args)
+    def runs(starts: list[int], lengths: list[int], stride: int = 1) -> ShardRuns:
+        return ShardRuns(torch.tensor(starts), torch.tensor(lengths), stride)
 
-    return call
-
-
-@_cached
-def _positions(layout: str, world_size: int, seq_len: int, cu_seqlens: Boundaries | None) -> torch.Tensor:
     if layout == "contiguous":
-        return torch.arange(seq_len).view(world_size, -1)
+        return runs([r * (seq_len // ring_size)], [seq_len // ring_size])
+    if layout == "striped":  # U > 1 only with R == 1 (check_grid_layout): then all tokens, in order
+        return runs([r], [seq_len // ring_size], ring_size if u == 1 else 1)
+    if p == 1:
+        return runs([0], [seq_len])
+    # ring rank r: slots rU .. rU+U-1 of the 2P and their mirror 2P-U(r+1) .. 2P-1-rU (U = 1: r and 2P-1-r)
+    slots = (r * u, (r + 1) * u, 2 * p - (r + 1) * u, 2 * p - r * u)
     if layout == "zigzag":
-        return _zigzag(torch.arange(seq_len), world_size)
-    if layout == "document_zigzag":
-        assert cu_seqlens is not None  # check_layout ran
-        return _document_zigzag(cu_seqlens, world_size)
-    # striped: token t lives on rank t % P at local index t // P
-    return torch.arange(seq_len).view(-1, world_size).t().contiguous()
+        chunk = seq_len // (2 * p)
+        return runs([slots[0] * chunk, slots[2] * chunk], [u * chunk, u * chunk])
+    assert cu_seqlens is not None  # check_layout ran
+    a, a_end, b, b_end = document_slot_starts(cu_seqlens, p, slots)
+    return ShardRuns(torch.stack((a, b), 1).flatten(), torch.stack((a_end - a, b_end - b), 1).flatten())
 
 
-def _zigzag(tokens: torch.Tensor, world_size: int) -> torch.Tensor:
-    """[P, len/P]: rank i gets chunks i and 2P-1-i of ``tokens`` split into 2P chunks."""
-    if world_size == 1:
-        return tokens.view(1, -1)
-    chunks = tokens.view(2 * world_size, -1)
-    ranks = torch.arange(world_size)
-    return torch.cat([chunks[ranks], chunks[2 * world_size - 1 - ranks]], dim=1)
+def _checked(layout: str, ulysses_size: int, ring_size: int, seq_len: int, rank: int, rank_name: str,
+             cu_seqlens: torch.Tensor | Sequence[int] | None) -> Boundaries | None:
+    """Validate a shard's arguments; the boundaries as the caches key them."""
+    if ulysses_size < 1:
+        raise ValueError(f"ulysses_size={ulysses_size} must be >= 1")
+    boundaries = as_boundaries(cu_seqlens)
+    check_grid_layout(layout, ulysses_size, ring_size)
+    check_layout(layout, ulysses_size * ring_size, seq_len, cu_seqlens=boundaries)
+    if not 0 <= rank < ring_size:
+        raise ValueError(f"{rank_name}={rank} must be in [0, {ring_size}) (the ranks of the layout)")
+    return layout_key(layout, boundaries)
 
 
-def _document_zigzag(cu_seqlens: Boundaries, world_size: int) -> torch.Tensor:
-    """[P, N/P]: every document split into ``2P`` chunks of ``c`` or ``c + 1`` tokens, rank
-    i holding chunks i and ``2P-1-i`` of each (module docstring). Vectorised over documents."""
-    p2 = 2 * world_size
-    lengths = torch.tensor(cu_seqlens).diff()
-    base, extra = lengths // p2, lengths % p2
-    # The k-th extra token of the whole sequence goes to slot order[k % 2P]: the first chunks
-    # of ranks 0..P-1, then their second chunks, so rank(order[k]) = k % P (counts differ by
-    # at most one at every point) and a document's extras land in distinct chunks (e < 2P).
-    start = extra.cumsum(0) - extra  # extras dealt before each document
-    k = torch.arange(p2)
-    order = torch.where(k < world_size, k, 3 * world_size - 1 - k)  # k-th slot of the cycle
-    in_window = (k.unsqueeze(0) - start.unsqueeze(1)) % p2 < extra.unsqueeze(1)  # [docs, 2P], by cycle index
-    sizes = base.unsqueeze(1).expand(-1, p2).clone()
-    sizes[:, order] += in_window.long()  # [docs, 2P] chunk sizes, by slot
-    slot = torch.arange(p2).repeat(len(lengths)).repeat_interleave(sizes.reshape(-1))  # slot of every token
-    rank = torch.minimum(slot, p2 - 1 - slot)
-    # tokens of one rank keep their global order (stable sort): chunk i, then chunk 2P-1-i, per document
-    return torch.sort(rank, stable=True).indices.view(world_size, -1)
+def shard_runs(layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int,
+               cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> ShardRuns:
+    """What ring rank ``ring_rank`` holds after the Ulysses all-to-all over ``ulysses_size`` ranks
+    (row ``ring_rank`` of :func:`ring_positions`; ``ulysses_size=1``: SP rank ``ring_rank``'s shard,
+    row of :func:`layout_positions`) as :class:`ShardRuns`: O(runs), cached, read-only."""
+    key = _checked(layout, ulysses_size, ring_size, seq_len, ring_rank, "ring_rank", cu_seqlens)
+    return _shard_runs(layout, ulysses_size, ring_size, seq_len, ring_rank, key)
+
+
+def rank_positions(layout: str, world_size: int, seq_len: int, rank: int,
+                   cu_seqlens: torch.Tensor | Sequence[int] | None = None, *, in_document: bool = False) -> torch.Tensor:
+    """Row ``rank`` of :func:`layout_positions` (LongTensor ``[seq_len // world_size]``), built from the
+    rank's own runs: O(N/P) plus O(documents), never the other ranks'. ``in_document``: each
+    position counted from its document's start (the ``position_ids`` :func:`ring_sp.shard_batch`
+    gives; needs ``cu_seqlens``)."""
+    positions = shard_runs(layout, 1, world_size, seq_len, rank, cu_seqlens).positions()
+    if not in_document:
+        return positions
+    if cu_seqlens is None:
+        raise ValueError("in_document=True needs cu_seqlens (the document boundaries); pass cu_seqlens=")
+    starts = torch.tensor(as_boundaries(cu_seqlens))
+    return positions - starts[torch.searchsorted(starts, positions, right=True) - 1]
+
+
+@memoised(plain=16, documents=2)
+def _positions(layout: str, world_size: int, seq_len: int, cu_seqlens: Boundaries | None) -> torch.Tensor:
+    return torch.stack([_shard_runs(layout, 1, world_size, seq_len, r, cu_seqlens).positions() for r in range(world_size)])
 
 
 def layout_positions(layout: str, world_size: int, seq_len: int,
                      cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
-    """Global positions held by each rank: LongTensor ``[world_size, seq_len // world_size]``,
-    row i listing rank i's tokens in its local order (increasing). Read-only (cached).
+    """Global positions held by EVERY rank: LongTensor ``[world_size, seq_len // world_size]``,
+    row i listing rank i's tokens in its local order (increasing). Read-only (cached). O(N):
+    for tools and tests; a rank asks for its own row with :func:`rank_positions`.
     ``cu_seqlens`` is only used by ``document_zigzag``."""
-    boundaries = as_boundaries(cu_seqlens)
-    check_layout(layout, world_size, seq_len, cu_seqlens=boundaries)
-    return _positions(layout, world_size, seq_len, layout_key(layout, boundaries))
+    key = _checked(layout, 1, world_size, seq_len, 0, "rank", cu_seqlens)
+    return _positions(layout, world_size, seq_len, key)
 
 
 def layout_key(layout: str, boundaries: Boundaries | None) -> Boundaries | None:
@@ -177,14 +190,21 @@ def layout_key(layout: str, boundaries: Boundaries | None) -> Boundaries | None:
     return boundaries if layout == "document_zigzag" else None
 
 
-@_cached
+@memoised()
+def _rank_index(layout: str, world_size: int, seq_len: int, cu_seqlens: Boundaries | None, rank: int,
+                device: torch.device) -> torch.Tensor:
+    return _shard_runs(layout, 1, world_size, seq_len, rank, cu_seqlens).positions().to(device)
+
+
 def layout_index(layout: str, world_size: int, seq_len: int, cu_seqlens: Boundaries | None, rank: int | None,
                  device: torch.device) -> torch.Tensor:
-    """Rank ``rank``'s global positions on ``device`` (cached), or with ``rank=None`` the
-    permutation that puts all ranks' concatenated shards back in global order."""
-    positions = _positions(layout, world_size, seq_len, cu_seqlens)
-    index = positions.reshape(-1).argsort() if rank is None else positions[rank]
-    return index.to(device)
+    """Rank ``rank``'s global positions on ``device`` (cached, O(N/P)), or with ``rank=None`` the
+    permutation that puts all ranks' concatenated shards back in global order (O(N), built for
+    the call and not kept; :func:`ulysses_to_ring_reorder` over all ranks does it in runs)."""
+    if rank is not None:
+        return _rank_index(layout, world_size, seq_len, cu_seqlens, rank, device)
+    shards = [_shard_runs(layout, 1, world_size, seq_len, r, cu_seqlens).positions() for r in range(world_size)]
+    return torch.cat(shards).argsort().to(device)
 
 
 def check_grid_layout(layout: str, ulysses_size: int, ring_size: int) -> None:
@@ -200,97 +220,67 @@ def check_grid_layout(layout: str, ulysses_size: int, ring_size: int) -> None:
         )
 
 
-@_cached
+
+@memoised(plain=16, documents=2)
 def _ring_positions(layout: str, ulysses_size: int, ring_size: int, seq_len: int,
                     cu_seqlens: Boundaries | None) -> torch.Tensor:
-    sp_positions = _positions(layout, ulysses_size * ring_size, seq_len, cu_seqlens)
-    if ulysses_size == 1:
-        return sp_positions
-    return sp_positions.reshape(ring_size, -1).sort(dim=1).values
+    return torch.stack([_shard_runs(layout, ulysses_size, ring_size, seq_len, r, cu_seqlens).positions()
+                        for r in range(ring_size)])
 
 
 def ring_positions(layout: str, ulysses_size: int, ring_size: int, seq_len: int,
                    cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
-    """Global positions each RING rank holds after the Ulysses all-to-all: LongTensor
+    """Global positions EVERY ring rank holds after the Ulysses all-to-all: LongTensor
     ``[ring_size, seq_len // ring_size]``, row r the union of the shards of its ``U`` members
-    (``sp_rank = r * U + u``) in increasing order. Derived from :func:`layout_positions` over
-    the SP group. For ``contiguous``, ``zigzag`` and ``document_zigzag`` with documents of
+    (``sp_rank = r * U + u``) in increasing order (O(N): for tools and tests; one rank's is
+    :func:`shard_runs`). For ``contiguous``, ``zigzag`` and ``document_zigzag`` with documents of
     multiples of ``2 x SP`` tokens this is the layout over ``R`` ranks itself; in general
     each document is at most two runs of a ring shard (a ring rank holds the consecutive
     chunks ``rU .. rU+U-1`` and their mirror), which the packed schedule relies on."""
-    boundaries = as_boundaries(cu_seqlens)
-    check_grid_layout(layout, ulysses_size, ring_size)
-    check_layout(layout, ulysses_size * ring_size, seq_len, cu_seqlens=boundaries)
-    return _ring_positions(layout, ulysses_size, ring_size, seq_len, layout_key(layout, boundaries))
+    key = _checked(layout, ulysses_size, ring_size, seq_len, 0, "ring_rank", cu_seqlens)
+    return _ring_positions(layout, ulysses_size, ring_size, seq_len, key)
 
 
 def ulysses_to_ring_order(layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int,
                           cu_seqlens: Boundaries | None = None) -> torch.Tensor | None:
-    """Reorder that turns the Ulysses all-to-all output into the ring's shard.
+    """Reorder that turns the Ulysses all-to-all output into the ring's shard, token by token.
 
     The layout is defined over the SP group with ``sp_rank = ring_rank * U + ulysses_rank``.
     After the all-to-all, ring rank ``r`` holds its ``U`` members' shards concatenated in
-    Ulysses-rank order. Returns the index ``idx`` (LongTensor, length ``U * N / (U*R)``)
-    with ``ring_shard = gathered[idx]`` in :func:`ring_positions` order (increasing), or
-    None when no reorder is needed (``contiguous``, or U == 1). Raises ``ValueError`` for
-    ``striped`` with U > 1 and R > 1, whose ring shard is no striped shard of the ring.
+    Ulysses-rank order. Returns the index ``idx`` (LongTensor, length ``U * N / (U*R)``, built
+    per call from the members' shards) with ``ring_shard = gathered[idx]`` in
+    :func:`ring_positions` order (increasing), or None when no reorder is needed
+    (``contiguous``, or U == 1). Raises ``ValueError`` for ``striped`` with U > 1 and R > 1,
+    whose ring shard is no striped shard of the ring. The runtime keeps
+    :func:`ulysses_to_ring_reorder`, the same permutation in runs.
     """
-    check_grid_layout(layout, ulysses_size, ring_size)
+    _checked(layout, ulysses_size, ring_size, seq_len, ring_rank, "ring_rank", cu_seqlens)
     sp_size = ulysses_size * ring_size
-    members = slice(ring_rank * ulysses_size, (ring_rank + 1) * ulysses_size)
-    gathered = layout_positions(layout, sp_size, seq_len, cu_seqlens)[members].reshape(-1)
+    gathered = torch.cat([rank_positions(layout, sp_size, seq_len, ring_rank * ulysses_size + u, cu_seqlens)
+                          for u in range(ulysses_size)])
     index = gathered.argsort()  # positions are distinct: the ring shard is the members' tokens in order
     return None if torch.equal(index, torch.arange(index.numel())) else index
 
 
-@dataclass(frozen=True)
-class Reorder:
-    """A token permutation along the sequence dim, moving runs of ``chunk`` tokens.
-
-    ``index`` / ``inverse`` ``[tokens // chunk]``: ``apply`` puts run ``index[j]`` at run j,
-    ``undo`` reverses it. The plain layouts permute whole chunks of the sequence, so their
-    reorder is a few entries, not one per token (an index of every token, and its inverse,
-    cached per length and device, cost 8 bytes per global token at U2xR2: what the grid's
-    step held beyond ALST's); document layouts fall back to ``chunk == 1``.
-    """
-
-    chunk: int
-    index: torch.Tensor
-    inverse: torch.Tensor
-
-    def _select(self, x: torch.Tensor, runs: torch.Tensor, dim: int) -> torch.Tensor:
-        if self.chunk == 1:
-            return x.index_select(dim, runs)
-        shape = x.shape
-        split = x.reshape(*shape[:dim], shape[dim] // self.chunk, self.chunk, *shape[dim + 1:])
-        return split.index_select(dim, runs).reshape(shape)
-
-    def apply(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """``x`` in the permuted order along ``dim`` (a new tensor)."""
-        return self._select(x, self.index, dim)
-
-    def undo(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """The inverse of :meth:`apply`."""
-        return self._select(x, self.inverse, dim)
+def _members_reorder(layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int,
+                     cu_seqlens: Boundaries | None, device: torch.device) -> Reorder | None:
+    """The members' concatenated shards (Ulysses-rank order) -> the ring shard (increasing), from
+    the members' runs alone: O(U x runs)."""
+    u = ulysses_size
+    if layout == "striped":  # U > 1 only with R == 1: the members hold every U-th token
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return Reorder(0, empty, empty, interleave=u) if 1 < u < seq_len else None  # one token each: in order
+    members = [_shard_runs(layout, 1, u * ring_size, seq_len, ring_rank * u + x, cu_seqlens) for x in range(u)]
+    return sorted_reorder(torch.cat([m.start for m in members]), torch.cat([m.length for m in members]), 2 * u, device)
 
 
-def _run_length(index: torch.Tensor) -> int:
-    """The largest ``c`` such that ``index`` moves aligned runs of ``c`` consecutive tokens: the
-    gcd of the length and of every maximal run's position and source (a chunk of ``c`` may
-    neither straddle a run's start nor begin off a multiple of ``c`` on either side)."""
-    starts = torch.cat((torch.zeros(1, dtype=torch.long), (index.diff() != 1).nonzero().flatten() + 1))
-    return math.gcd(index.numel(), *starts.tolist(), *index[starts].tolist())
-
-
-@_cached
+@memoised()
 def ulysses_to_ring_reorder(
     layout: str, ulysses_size: int, ring_size: int, seq_len: int, ring_rank: int, device: torch.device,
     cu_seqlens: Boundaries | None = None,
 ) -> Reorder | None:
-    """:func:`ulysses_to_ring_order` as a :class:`Reorder` of the longest aligned runs, cached on ``device``."""
-    index = ulysses_to_ring_order(layout, ulysses_size, ring_size, seq_len, ring_rank, layout_key(layout, cu_seqlens))
-    if index is None:
-        return None
-    chunk = _run_length(index)
-    runs = index[::chunk] // chunk
-    return Reorder(chunk, runs.to(device), runs.argsort().to(device))
+    """:func:`ulysses_to_ring_order` as a :class:`Reorder` of runs, cached on ``device``. Over all
+    SP ranks as one Ulysses group (``ulysses_size=P, ring_size=1``) it puts concatenated shards
+    back in global order (:func:`ring_sp.unshard_sequence`)."""
+    key = _checked(layout, ulysses_size, ring_size, seq_len, ring_rank, "ring_rank", cu_seqlens)
+    return _members_reorder(layout, ulysses_size, ring_size, seq_len, ring_rank, key, device)

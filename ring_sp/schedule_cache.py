@@ -9,6 +9,8 @@ depends on (the CONTENT of ``cu_seqlens``, the layout, mask, window, ring rank a
 shard length, Ulysses size, whether the kernel takes windows), so a hit is exact and any
 difference is a miss. One cache belongs to one process group (:func:`schedule_cache`):
 it lives and dies with the group the user holds and never serves another topology.
+An entry is its rank's blocks and rows: O(R) for the plain layouts, O(R x documents) at most
+for packed ones, never one per token (``tests/test_per_rank_bytes.py`` weighs them).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class ScheduleCache(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def values(self) -> list[T]:
+        """The kept schedules, least recently used first (read-only)."""
+        return list(self._entries.values())
 
 
 # group -> its cache; an entry goes when its group is garbage collected (weak keys)

@@ -3,7 +3,9 @@
 :func:`shard_sequence` takes one rank's shard, :func:`unshard_sequence` puts every shard
 back without communication, and :func:`gather_sequence` all-gathers the shards of a group
 (differentiable: the backward keeps this rank's slice). Which positions a shard holds is
-:mod:`ring_sp.layouts`' one definition (:func:`~ring_sp.layouts.layout_index`).
+:mod:`ring_sp.layouts`' one definition: a rank's shard indexes its own positions
+(:func:`~ring_sp.layouts.layout_index`, O(N/P)), and putting shards back moves runs
+(:func:`~ring_sp.layouts.ulysses_to_ring_reorder` over all ranks), never an index of every token.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .layouts import Boundaries, as_boundaries, check_layout, layout_index, layout_key
+from .layouts import Boundaries, as_boundaries, check_layout, layout_index, layout_key, ulysses_to_ring_reorder
 
 
 def shard_sequence(x: torch.Tensor, *, rank: int, world_size: int, layout: str = "zigzag", dim: int = 1,
@@ -47,10 +49,10 @@ def unshard_sequence(shards: torch.Tensor, *, layout: str = "zigzag", dim: int =
     total = concatenated.shape[dim]
     boundaries = as_boundaries(cu_seqlens)
     check_layout(layout, world_size, total, name="total sequence length", cu_seqlens=boundaries)
-    index = layout_index(layout, world_size, total, layout_key(layout, boundaries), None, concatenated.device)
-    if seq_len is not None:
-        index = index[:_real_length(seq_len, total)]
-    return concatenated.index_select(dim, index)
+    # all ranks as one Ulysses group: the same reorder of runs (O(P x runs), no index per token)
+    order = ulysses_to_ring_reorder(layout, world_size, 1, total, 0, concatenated.device, layout_key(layout, boundaries))
+    full = concatenated if order is None else order.apply(concatenated, dim)
+    return full if seq_len is None else full.narrow(dim, 0, _real_length(seq_len, total)).contiguous()
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -172,3 +172,76 @@ def test_reorder_moves_runs_as_the_token_index_would(layout: str, u: int, r: int
         assert torch.equal(reorder.undo(reorder.apply(x)), x)
         if documents is None:
             assert reorder.chunk == seq_len // (2 * u * r) and reorder.index.numel() == 2 * u  # runs, not tokens
+
+
+def _dealt_document_zigzag(p: int, cu: tuple[int, ...], rank: int) -> list[int]:
+    """The module docstring's rule token by token (independent of layouts.py): each document of
+    ``L = 2P*c + e`` tokens gets chunks of ``c``, its ``e`` extra tokens dealt by ONE running
+    counter over the whole sequence, first chunks of ranks 0..P-1 then their second chunks."""
+    out, dealt = [], 0
+    for a, b in zip(cu, cu[1:]):
+        sizes = [(b - a) // (2 * p)] * (2 * p)
+        for _ in range((b - a) % (2 * p)):
+            k = dealt % (2 * p)
+            sizes[k if k < p else 3 * p - 1 - k] += 1
+            dealt += 1
+        starts = [a + sum(sizes[:j]) for j in range(2 * p + 1)]
+        for slot in (rank, 2 * p - 1 - rank):
+            out += range(starts[slot], starts[slot + 1])
+    return out
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.lists(st.integers(0, 40), min_size=1, max_size=7))
+def test_rank_runs_are_the_rule_written_out_for_documents_of_any_length(u: int, r: int, lengths: list[int]) -> None:
+    """Each rank's shard, built from its own runs (O(documents), no other rank's positions), is
+    the dealt split; a ring rank's runs are its U members' tokens in order."""
+    from ring_sp.layouts import rank_positions, ring_positions, shard_runs
+
+    p = u * r
+    lengths = lengths + [(-sum(lengths)) % p or (p if sum(lengths) == 0 else 0)]
+    cu = tuple(sum(lengths[:i]) for i in range(len(lengths) + 1))
+    shards = [_dealt_document_zigzag(p, cu, rank) for rank in range(p)]
+    for rank in range(p):
+        assert rank_positions("document_zigzag", p, cu[-1], rank, cu).tolist() == shards[rank]
+        runs = shard_runs("document_zigzag", 1, p, cu[-1], rank, cu)
+        assert runs.start.numel() <= 2 * (len(cu) - 1)  # two runs per document (one rank: one), nothing per token
+    for ring_rank in range(r):
+        members = sorted(t for x in range(u) for t in shards[ring_rank * u + x])
+        assert shard_runs("document_zigzag", u, r, cu[-1], ring_rank, cu).positions().tolist() == members
+        assert ring_positions("document_zigzag", u, r, cu[-1], cu)[ring_rank].tolist() == members
+
+
+@pytest.mark.parametrize("layout,u,r,documents", [
+    ("striped", 4, 1, None), ("striped", 2, 1, None),  # a transpose
+    ("zigzag", 4, 2, None), ("zigzag", 8, 1, None),  # chunks
+    ("document_zigzag", 2, 2, (0, 3, 17, 18, 61, 64)), ("document_zigzag", 4, 1, (0, 5, 5, 40, 64)),  # runs of any length
+])
+def test_every_reorder_form_is_the_token_permutation_and_keeps_runs_only(layout: str, u: int, r: int, documents) -> None:
+    """apply/undo equal the token index of ulysses_to_ring_order along dims 1 and 2 (head-major),
+    and the cached Reorder keeps O(U x documents) entries, not one per token."""
+    from ring_sp.layouts import ulysses_to_ring_reorder
+
+    seq_len = 64
+    runs_bound = 2 * u * (len(documents) - 1 if documents else 1)
+    for ring_rank in range(r):
+        index = ulysses_to_ring_order(layout, u, r, seq_len, ring_rank, documents)
+        reorder = ulysses_to_ring_reorder(layout, u, r, seq_len, ring_rank, torch.device("cpu"), documents)
+        kept = sum(t.numel() for t in (reorder.index, reorder.inverse, reorder.sizes) if t is not None)
+        assert kept <= 3 * runs_bound < index.numel() * 2, (kept, index.numel())
+        for dim in (1, 2):
+            shape = [2, 3, 4]
+            shape.insert(dim, index.numel())
+            x = torch.randn(shape)
+            y = reorder.apply(x, dim)
+            assert torch.equal(y, x.index_select(dim, index)) and y.is_contiguous()
+            assert torch.equal(reorder.undo(y, dim), x)
+
+
+@pytest.mark.parametrize("layout", PLAIN + ("document_zigzag",))
+def test_unshard_to_the_real_length_is_a_contiguous_prefix(layout: str) -> None:
+    cu = (0, 7, 30, 32) if layout == "document_zigzag" else None
+    x = torch.randn(2, 32, 3)
+    shards = torch.stack([shard_sequence(x, rank=k, world_size=4, layout=layout, cu_seqlens=cu) for k in range(4)])
+    got = unshard_sequence(shards, layout=layout, cu_seqlens=cu, seq_len=29)
+    assert torch.equal(got, x[:, :29]) and got.is_contiguous()

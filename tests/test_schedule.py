@@ -148,3 +148,25 @@ def test_interval_blocks_cover_exactly_the_causal_pairs_of_any_two_intervals(cau
             if causal:
                 truth &= cols <= rows
             assert torch.equal(got, truth), (q, kv)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("u,r", [(1, 1), (1, 3), (2, 2), (4, 1), (1, 4)])
+@pytest.mark.parametrize("seed", range(3))
+def test_shard_pieces_are_the_position_runs_of_the_shard(layout: str, u: int, r: int, seed: int) -> None:
+    """The schedule cuts a rank's runs at documents without building its positions: the same
+    pieces as position_runs over the positions themselves."""
+    from ring_sp.layouts import ring_positions, shard_runs
+    from ring_sp.schedule.documents import position_runs, shard_pieces
+
+    if layout == "striped" and u > 1 and r > 1:
+        return
+    seq_len = 2 * u * r * 7
+    cu = _random_documents(seq_len, seed)
+    for ring_rank in range(r):
+        runs = shard_runs(layout, u, r, seq_len, ring_rank, cu)
+        positions = ring_positions(layout, u, r, seq_len, cu)[ring_rank]
+        for consecutive in (True, False) if runs.stride == 1 else (False,):
+            for documents in (cu, None):
+                got = list(zip(*(t.tolist() for t in shard_pieces(runs, documents, consecutive=consecutive))))
+                assert got == position_runs(positions, documents, consecutive=consecutive), (ring_rank, consecutive)

@@ -5,7 +5,7 @@ rank's positions. Megatron-core 0.16.1 does the slicing in ``get_pos_emb_on_this
 (zigzag chunks ``cp_rank`` and ``2*CP-1-cp_rank``, equal to ring_sp's ``zigzag`` layout),
 but with a pinned CUDA index tensor, and ``RotaryEmbedding.get_emb`` moves its
 frequencies to CUDA: neither runs on a CPU-only machine. :func:`install_layout_rope`
-swaps in this module, which takes the positions from :func:`ring_sp.layout_positions`
+swaps in this module, which takes the positions from :func:`ring_sp.layouts.rank_positions`
 instead: the same numbers for zigzag, any device, and also the other layouts.
 
 Packed (THD) batches: ``GPTModel`` asks for ``packed_seq=True`` angles of the longest
@@ -28,9 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import ring_sp
-from ring_sp import layout_positions
-from ring_sp.layouts import Boundaries
+from ring_sp.layouts import Boundaries, rank_positions
 
 from .config import unpacked_layout
 
@@ -103,7 +101,7 @@ class LayoutRotaryEmbedding(nn.Module):
         emb = self._table(max_seq_len, offset)
         group = cp_group if cp_group is not None else self.cp_group
         if group is not None and group.size() > 1 and not packed_seq:
-            positions = layout_positions(unpacked_layout(self.layout), group.size(), max_seq_len)[group.rank()]
+            positions = rank_positions(unpacked_layout(self.layout), group.size(), max_seq_len, group.rank())
             emb = emb.index_select(0, positions.to(emb.device))
         return emb[:, None, None, :]
 
@@ -116,8 +114,7 @@ class LayoutRotaryEmbedding(nn.Module):
         key = (cu_seqlens, layout, sp_size, sp_rank)
         if self._last_documents is not None and self._last_documents[0] == key:
             return self._last_documents[1]
-        positions = ring_sp.shard_sequence(ring_sp.document_positions(cu_seqlens), rank=sp_rank, world_size=sp_size,
-                                           layout=layout, dim=0, cu_seqlens=cu_seqlens)
+        positions = rank_positions(layout, sp_size, cu_seqlens[-1], sp_rank, cu_seqlens, in_document=True)
         longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
         angles = self._table(longest).index_select(0, positions.to(self.device))[:, None, None, :]
         self._last_documents = (key, angles)

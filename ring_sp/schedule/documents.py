@@ -4,31 +4,70 @@ A token sees only its own document. In every layout a document is one contiguous
 each shard, so each step's blocks are cut per document (:func:`packed_step_tasks`); steps
 sharing no document compute nothing, and no mask tensor is ever built. ``document_zigzag``
 (documents of any length, chunks differing by a token) is scheduled from the ring ranks'
-positions alone: a ring shard is a union of runs of consecutive global positions, stored in
+runs alone: a ring shard is a union of runs of consecutive global positions, stored in
 increasing order, so each (query run, key run) pair of a document is cut in GLOBAL
 coordinates by :func:`~.blocks.interval_blocks` and shifted to local indices. Ranks hold
 disjoint tokens, so only the diagonal step has masked blocks (one square causal block per
-document); every other block is full.
+document); every other block is full. Every shard comes as :class:`~ring_sp.layouts.ShardRuns`
+and is cut at documents by :func:`shard_pieces`: O(runs + documents) per rank, no position of
+any token is built.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..layouts import Boundaries, layout_positions, ring_positions
+from ..layouts import Boundaries, shard_runs
+from ..runs import ShardRuns, memoised
 from .blocks import BlockTask, interval_blocks, ring_step_tasks, shifted
 
 
-def _document_runs(positions: torch.Tensor, cu_seqlens: Boundaries) -> dict[int, tuple[int, int]]:
+def shard_pieces(runs: ShardRuns, cu_seqlens: Boundaries | None, *,
+                 consecutive: bool = True) -> tuple[torch.Tensor, ...]:
+    """:func:`position_runs` of a shard given as :class:`~ring_sp.layouts.ShardRuns`, as LongTensors
+    ``(local start, local stop, global start, document)``: each run cut at the documents it
+    crosses, neighbours merged back as :func:`position_runs` would. O(runs + documents crossed):
+    no position of any token is built. ``consecutive`` needs unit-stride runs (a striped shard
+    has no two consecutive positions)."""
+    assert not consecutive or runs.stride == 1, "consecutive pieces of a strided shard are single tokens"
+    stride, keep = runs.stride, runs.length > 0
+    local = (runs.length.cumsum(0) - runs.length)[keep]
+    start, length = runs.start[keep], runs.length[keep]
+    if cu_seqlens is None:
+        run, lo, hi, doc = torch.arange(start.numel()), torch.zeros_like(start), length, torch.zeros_like(start)
+    else:
+        bounds = torch.tensor(cu_seqlens)
+        first = torch.searchsorted(bounds, start, right=True) - 1  # the documents of each run's ends
+        counts = torch.searchsorted(bounds, start + stride * (length - 1), right=True) - first
+        run = torch.repeat_interleave(torch.arange(start.numel()), counts)
+        doc = first[run] + torch.arange(run.numel()) - (counts.cumsum(0) - counts)[run]
+
+        def offset(edge: torch.Tensor) -> torch.Tensor:  # the run's first local index at or after ``edge``
+            return torch.minimum(((edge - start[run]).clamp(min=0) + stride - 1) // stride, length[run])
+
+        lo, hi = offset(bounds[doc]), offset(bounds[doc + 1])
+        some = hi > lo  # empty documents, and striped documents this rank holds no token of
+        run, lo, hi, doc = run[some], lo[some], hi[some], doc[some]
+    begin, end, at = local[run] + lo, local[run] + hi, start[run] + stride * lo
+    if begin.numel() == 0:
+        return begin, end, at, doc
+    joins = doc[1:] == doc[:-1]  # pieces tile the shard in local order: merge within a document
+    if consecutive:
+        joins &= at[1:] == at[:-1] + (end[:-1] - begin[:-1])
+    heads = torch.cat((torch.ones(1, dtype=torch.bool), ~joins)).nonzero().flatten()
+    lasts = torch.cat((heads[1:], torch.tensor([begin.numel()]))) - 1
+    return begin[heads], end[lasts], at[heads], doc[heads]
+
+
+def _document_runs(runs: ShardRuns, cu_seqlens: Boundaries) -> dict[int, tuple[int, int]]:
     """Document id -> its (start, stop) run of local indices (positions are increasing)."""
-    docs = torch.searchsorted(torch.tensor(cu_seqlens), positions, right=True) - 1
-    ids, counts = torch.unique_consecutive(docs, return_counts=True)
-    stops = counts.cumsum(0)
-    return {int(d): (int(stop - n), int(stop)) for d, n, stop in zip(ids, counts, stops)}
+    begin, end, _, docs = shard_pieces(runs, cu_seqlens, consecutive=False)
+    return {d: (a, b) for a, b, d in zip(begin.tolist(), end.tolist(), docs.tolist())}
 
 
 def _position_run_tensors(positions: torch.Tensor, cu_seqlens: Boundaries | None, *,
@@ -48,7 +87,8 @@ def position_runs(positions: torch.Tensor, cu_seqlens: Boundaries | None, *,
                   consecutive: bool = True) -> list[tuple[int, int, int, int]]:
     """A shard's runs ``(local start, local stop, global position of the start, document)``:
     cut where the document of ``cu_seqlens`` changes (None: one document, id 0) and, with
-    ``consecutive``, where the global position is not its predecessor's + 1. Vectorised."""
+    ``consecutive``, where the global position is not its predecessor's + 1. Vectorised.
+    (The schedule cuts a rank's :class:`~ring_sp.layouts.ShardRuns` instead: :func:`shard_pieces`.)"""
     if positions.numel() == 0:
         return []
     return list(zip(*(t.tolist() for t in _position_run_tensors(positions, cu_seqlens, consecutive=consecutive))))
@@ -66,8 +106,8 @@ class _ShardRuns:
     doc: torch.Tensor
 
     @staticmethod
-    def of(positions: torch.Tensor, cu_seqlens: Boundaries) -> _ShardRuns:
-        local, local_stop, start, doc = _position_run_tensors(positions, cu_seqlens)
+    def of(runs: ShardRuns, cu_seqlens: Boundaries) -> _ShardRuns:
+        local, local_stop, start, doc = shard_pieces(runs, cu_seqlens)
         return _ShardRuns(start, start + (local_stop - local), local, doc)
 
     def doc_spans(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,11 +118,11 @@ class _ShardRuns:
         return docs, self.local[first], self.local[last] + self.stop[last] - self.start[last]
 
 
-@functools.lru_cache(maxsize=8)  # keyed by the documents: a new packing can come every step
-def _ring_runs(ulysses_size: int, ring_size: int, seq_len: int, cu_seqlens: Boundaries) -> tuple[_ShardRuns, ...]:
-    """:class:`_ShardRuns` of every ring shard of ``document_zigzag``, once per packing."""
-    positions = ring_positions("document_zigzag", ulysses_size, ring_size, seq_len, cu_seqlens)
-    return tuple(_ShardRuns.of(row, cu_seqlens) for row in positions)
+@memoised(documents=64)  # keyed by the documents (a new packing can come every step) and the ring rank
+def _ring_runs(ulysses_size: int, ring_size: int, seq_len: int, cu_seqlens: Boundaries, ring_rank: int) -> _ShardRuns:
+    """:class:`_ShardRuns` of ring rank ``ring_rank``'s shard of ``document_zigzag``: O(documents)."""
+    return _ShardRuns.of(shard_runs("document_zigzag", ulysses_size, ring_size, seq_len, ring_rank, cu_seqlens),
+                         cu_seqlens)
 
 
 _new_tuple = tuple.__new__
@@ -156,18 +196,18 @@ def _interval_pieces(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor,
     return blocks, torch.cat([p[5].nonzero().flatten() for p in pieces])  # type: ignore[return-value]
 
 
-def _document_zigzag_steps(causal: bool, runs: tuple[_ShardRuns, ...], rank: int,
+def _document_zigzag_steps(causal: bool, runs: Callable[[int], _ShardRuns], rank: int,
                            sources: list[int]) -> list[tuple[BlockTask, ...]]:
     """The blocks of ring rank ``rank`` against the KV shard of each of ``sources``, from the
     ring shards' runs; vectorised over the runs of every source at once (a step's blocks
     are a few per document, and a Python loop over them would cost more than the layer)."""
     steps: dict[int, tuple[BlockTask, ...]] = {}
-    q = runs[rank]
+    q = runs(rank)
     for source in sources:
         if source == rank or not causal:  # per document, all of its queries against all of its keys
             # on the diagonal the local order is the global order: one square causal block per document
             q_docs, q_start, q_stop = q.doc_spans()
-            kv_docs, kv_start, kv_stop = runs[source].doc_spans()
+            kv_docs, kv_start, kv_stop = runs(source).doc_spans()
             shared = torch.isin(q_docs, kv_docs)
             at = torch.searchsorted(kv_docs, q_docs[shared])
             steps[source] = _tasks_of((q_start[shared], q_stop[shared], kv_start[at], kv_stop[at],
@@ -175,7 +215,7 @@ def _document_zigzag_steps(causal: bool, runs: tuple[_ShardRuns, ...], rank: int
     others = [s for s in sources if s not in steps]
     if others:
         # every (query run, key run) pair of one document, cut in global coordinates, then made local
-        kv = [runs[s] for s in others]
+        kv = [runs(s) for s in others]
         kv_doc = torch.cat([r.doc for r in kv])
         by_doc = torch.argsort(kv_doc, stable=True)
         kv_doc = kv_doc[by_doc]
@@ -199,8 +239,11 @@ def document_zigzag_steps(causal: bool, rank: int, sources: list[int], world_siz
     """:func:`packed_step_tasks` of ``document_zigzag`` against each of ``sources`` (all
     steps of a ring pass in one vectorised build)."""
     seq_len = local_len * world_size
-    ring_positions("document_zigzag", ulysses_size, world_size, seq_len, cu_seqlens)  # validates (cached)
-    return _document_zigzag_steps(causal, _ring_runs(ulysses_size, world_size, seq_len, cu_seqlens), rank, sources)
+    shard_runs("document_zigzag", ulysses_size, world_size, seq_len, rank, cu_seqlens)  # validates (cached)
+    if not all(0 <= source < world_size for source in sources):
+        raise ValueError(f"sources={sources} must all be ring ranks in [0, {world_size})")
+    return _document_zigzag_steps(
+        causal, functools.partial(_ring_runs, ulysses_size, world_size, seq_len, cu_seqlens), rank, sources)
 
 
 def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_size: int, local_len: int,
@@ -216,8 +259,9 @@ def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_s
     seq_len = local_len * world_size
     if layout == "document_zigzag":
         return document_zigzag_steps(causal, rank, [source], world_size, local_len, cu_seqlens, ulysses_size)[0]
-    positions = layout_positions(layout, world_size, seq_len, cu_seqlens)
-    q_runs, kv_runs = _document_runs(positions[rank], cu_seqlens), _document_runs(positions[source], cu_seqlens)
+    # a plain layout's ring shard is its shard over the R ring ranks (striped: U > 1 only with R == 1)
+    q_runs, kv_runs = (_document_runs(shard_runs(layout, 1, world_size, seq_len, r, cu_seqlens), cu_seqlens)
+                       for r in (rank, source))
     tasks: list[BlockTask] = []
     for base in ring_step_tasks(layout, causal, rank, source, local_len):
         for doc, (qa, qb) in q_runs.items():

@@ -18,7 +18,7 @@ def step_tasks(layout: str, causal: bool, rank: int, source: int, world_size: in
     """The blocks of one ring step, with or without documents and a sliding ``window``
     (causal only; ``native_window``: the kernel takes band blocks, see :func:`window_step_tasks`).
     ``ulysses_size``: the Ulysses group size ``U`` of the grid, which the ring shards of
-    ``document_zigzag`` with uneven documents depend on (:func:`ring_sp.layouts.ring_positions`)."""
+    ``document_zigzag`` with uneven documents depend on (:func:`ring_sp.layouts.shard_runs`)."""
     if window is not None:
         return window_step_tasks(layout, rank, source, world_size, local_len, window, cu_seqlens, native_window,
                                  ulysses_size=ulysses_size)

@@ -13,11 +13,10 @@ Nothing here builds a mask tensor, so memory stays O(block) whatever the window.
 
 from __future__ import annotations
 
-import torch
-
-from ..layouts import LAYOUTS, Boundaries, ring_positions
+from ..layouts import LAYOUTS, Boundaries, shard_runs
+from ..runs import ShardRuns
 from .blocks import BlockTask, interval_blocks, shifted
-from .documents import position_runs
+from .documents import shard_pieces
 
 
 def band_blocks(q: tuple[int, int], kv: tuple[int, int], window: int, native_window: bool = False) -> list[BlockTask]:
@@ -59,13 +58,14 @@ def _lower_edge(block: BlockTask, window: int, native_window: bool) -> list[Bloc
 _Run = tuple[int, int, int, int]
 
 
-def _runs(positions: torch.Tensor, frame_start: int | None, cu_seqlens: Boundaries | None) -> list[_Run]:
+def _runs(shard: ShardRuns, frame_start: int | None, cu_seqlens: Boundaries | None) -> list[_Run]:
     """A shard's runs of consecutive global positions (``frame_start`` None), or, for striped,
     its one run in the local frame starting at ``frame_start``; cut at document boundaries."""
     if frame_start is None:
-        return position_runs(positions, cu_seqlens)
+        return list(zip(*(t.tolist() for t in shard_pieces(shard, cu_seqlens))))
     # striped: the local frame advances one per local token; only documents cut it
-    return [(a, b, frame_start + a, doc) for a, b, _, doc in position_runs(positions, cu_seqlens, consecutive=False)]
+    begin, end, _, docs = (t.tolist() for t in shard_pieces(shard, cu_seqlens, consecutive=False))
+    return [(a, b, frame_start + a, doc) for a, b, doc in zip(begin, end, docs)]
 
 
 def window_step_tasks(layout: str, rank: int, source: int, world_size: int, local_len: int, window: int,
@@ -79,16 +79,17 @@ def window_step_tasks(layout: str, rank: int, source: int, world_size: int, loca
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     # the ring shards (after the Ulysses all-to-all over ulysses_size ranks, in increasing order)
-    positions = ring_positions(layout, ulysses_size, world_size, local_len * world_size, cu_seqlens)
+    q_shard, kv_shard = (shard_runs(layout, ulysses_size, world_size, local_len * world_size, r, cu_seqlens)
+                         for r in (rank, source))
     if layout == "striped" and world_size > 1:
         # query a (position rank + R*a) vs key c (source + R*c): c <= a (source <= rank) or
         # c <= a - 1 (source > rank); c > a - ceil((window - (rank - source)) / R).
         shift = 1 if source > rank else 0
         frame_window = -(-(window - (rank - source)) // world_size) - shift
-        q_runs, kv_runs = _runs(positions[rank], -shift, cu_seqlens), _runs(positions[source], 0, cu_seqlens)
+        q_runs, kv_runs = _runs(q_shard, -shift, cu_seqlens), _runs(kv_shard, 0, cu_seqlens)
     else:
         frame_window = window
-        q_runs, kv_runs = _runs(positions[rank], None, cu_seqlens), _runs(positions[source], None, cu_seqlens)
+        q_runs, kv_runs = _runs(q_shard, None, cu_seqlens), _runs(kv_shard, None, cu_seqlens)
     tasks: list[BlockTask] = []
     for qa, qb, qf, qdoc in q_runs:
         for ka, kb, kf, kdoc in kv_runs:

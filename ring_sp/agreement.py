@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .layouts import LAYOUTS
-from .validation import BACKENDS, KV_EXCHANGES
+from .validation import BACKENDS, HEAD_CHUNKS_AUTO, KV_EXCHANGES
 
 ENV_FLAG = "RING_SP_VALIDATE"
 WIDTH = 28  # the values of every signature (padded): every agreement on a group exchanges one size
@@ -69,7 +69,8 @@ class CallSignature:
     @staticmethod
     def of(q: object, k: object, v: object, *, causal: object, layout: object, softmax_scale: object,
            backend: object, ulysses_size: int, ring_size: int, cu_seqlens: tuple[int, ...] | None = None,
-           sinks: object = None, sliding_window: object = None, kv_exchange: object = "ring") -> CallSignature:
+           sinks: object = None, sliding_window: object = None, kv_exchange: object = "ring",
+           head_chunks: object = None) -> CallSignature:
         def shape(t: object) -> tuple[int, int, int, int]:
             dims = tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else (-1, -1, -1, -1)
             return dims  # type: ignore[return-value]
@@ -82,11 +83,12 @@ class CallSignature:
         values = (*shape(q), *shape(k), *shape(v), code(dtype, _DTYPES), code(device, ("cpu", "cuda")),
                   int(causal is True), code(layout, LAYOUTS), code(backend, BACKENDS), _scale_bits(softmax_scale), ulysses_size, ring_size,
                   -1 if cu_seqlens is None else len(cu_seqlens), _checksum(cu_seqlens), *_sinks_code(sinks),
-                  _window_code(sliding_window), code(kv_exchange, KV_EXCHANGES))
+                  _window_code(sliding_window), code(kv_exchange, KV_EXCHANGES), _chunks_code(head_chunks))
         text = (f"q {shape(q)}, k {shape(k)}, v {shape(v)}, dtype {dtype}, device {device}, causal={causal!r}, "
                 f"layout={layout!r}, softmax_scale={softmax_scale!r}, backend={backend!r}, ulysses x ring = {ulysses_size} x {ring_size}, "
                 f"cu_seqlens={'None' if cu_seqlens is None else f'{len(cu_seqlens) - 1} documents (checksum {_checksum(cu_seqlens)})'}, "
-                f"sinks={_describe_sinks(sinks)}, sliding_window={sliding_window!r}, kv_exchange={kv_exchange!r}")
+                f"sinks={_describe_sinks(sinks)}, sliding_window={sliding_window!r}, kv_exchange={kv_exchange!r}, "
+                f"head_chunks={head_chunks!r}")
         return CallSignature.named("attention", values, text)
 
     @staticmethod
@@ -117,6 +119,15 @@ def _window_code(sliding_window: object) -> int:
     if sliding_window is None:
         return -1
     return min(sliding_window, 2**62) if isinstance(sliding_window, int) and not isinstance(sliding_window, bool) else -2
+
+
+def _chunks_code(head_chunks: object) -> int:
+    """The count itself (None is 1: the same call), 0 for "auto", -2 for anything else (the local check names it)."""
+    if head_chunks is None:
+        return 1
+    if isinstance(head_chunks, str) and head_chunks == HEAD_CHUNKS_AUTO:
+        return 0
+    return min(head_chunks, 2**62) if isinstance(head_chunks, int) and not isinstance(head_chunks, bool) else -2
 
 
 def _checksum(values: tuple[int, ...] | None) -> int:

@@ -31,14 +31,16 @@ from .function import UlyssesSpec, sequence_parallel_attention
 from .kernels import get_kernel
 from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_reorder
 from .plan.exchange_choice import choose_kv_exchange
+from .plan.head_chunk_choice import choose_head_chunks
 from .recompute import plan as recompute_plan
 from .recompute import reuse_requested
 from .ring import RingSpec, ring_comm_for
 from .schedule_cache import schedule_cache
 from .shapes import check_ulysses_heads
 from .topology import SequenceParallelTopology
-from .validation import (check_cu_seqlens, check_group, check_kv_exchange, check_local_length, check_options,
-                         check_qkv, check_sinks, check_sliding_window, resolve_scale)
+from .validation import (HEAD_CHUNKS_AUTO, check_cu_seqlens, check_group, check_head_chunk_split, check_head_chunks,
+                         check_kv_exchange, check_local_length, check_options, check_qkv, check_sinks,
+                         check_sliding_window, resolve_scale)
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -61,9 +63,12 @@ def _prepare(
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
     kv_exchange: str = "ring",
-) -> tuple[RingSpec, UlyssesSpec | None]:
-    """Every local check, then the plan of the call. Raises before any collective."""
+    head_chunks: int | str | None = None,
+) -> tuple[RingSpec, UlyssesSpec | None, int]:
+    """Every local check, then the plan of the call (its ring, its Ulysses side, its number of
+    head chunks). Raises before any collective."""
     check_kv_exchange(kv_exchange)
+    check_head_chunks(head_chunks)
     check_qkv(q, k, v)
     check_sinks(sinks, q)
     check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
@@ -84,12 +89,19 @@ def _prepare(
     window = sliding_window if sliding_window is not None and sliding_window < global_len else None
     if kv_exchange == "auto":
         kv_exchange = _planned_kv_exchange(q, k, v, u, r, layout, causal, window)
+    if head_chunks == HEAD_CHUNKS_AUTO:
+        chunks = choose_head_chunks(ulysses=u, ring=r, batch=q.shape[0], local_len=q.shape[1], heads=q.shape[2],
+                                    kv_heads=k.shape[2], head_dim=q.shape[3], value_head_dim=v.shape[3], dtype=q.dtype,
+                                    layout=layout, causal=causal, sliding_window=window, kv_exchange=kv_exchange)
+    else:
+        chunks = 1 if head_chunks is None else head_chunks
+    check_head_chunk_split(chunks, q.shape[2], k.shape[2], u)
     owner = ring_group if ring_group is not None else ulysses_group
     assert owner is not None  # every entry point passes one group at least
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
                     resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens, window=window,
                     ulysses_size=u, schedules=schedule_cache(owner), kv_exchange=kv_exchange)
-    return ring, (UlyssesSpec(ulysses_group, u, reorder, kernel.head_major) if u > 1 else None)
+    return ring, (UlyssesSpec(ulysses_group, u, reorder, kernel.head_major) if u > 1 else None), chunks
 
 
 def _planned_kv_exchange(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, u: int, r: int, layout: str, causal: bool,
@@ -122,18 +134,19 @@ def _attention(
     sliding_window: int | None = None,
     reuse_on_recompute: bool | None = None,
     kv_exchange: str = "ring",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    head_chunks: int | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
     options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                   sliding_window=sliding_window, kv_exchange=kv_exchange)
+                   sliding_window=sliding_window, kv_exchange=kv_exchange, head_chunks=head_chunks)
     always = validation_requested(validate)
     boundaries = None
     try:
         reuse = reuse_requested(reuse_on_recompute)
         check_cu_seqlens(cu_seqlens)
         boundaries = as_boundaries(cu_seqlens)
-        ring, ulysses = _prepare(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group, return_lse=return_lse,
-                                 cu_seqlens=boundaries, sinks=sinks, **options)
+        ring, ulysses, chunks = _prepare(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group,
+                                         return_lse=return_lse, cu_seqlens=boundaries, sinks=sinks, **options)
         error = None
     except (TypeError, ValueError, RuntimeError) as exc:
         if not always:
@@ -148,10 +161,10 @@ def _attention(
     # Everything the result depends on besides the values of q, k, v (ring_sp.recompute);
     # the sinks (a parameter: unchanged between a forward and its re-run) by identity and version.
     sinks_key = None if sinks is None else (sinks.shape, sinks.dtype, id(sinks), sinks._version)
-    key = (tuple(sorted(options.items())), boundaries, id(ulysses_group), id(ring_group),
-           *((t.shape, t.dtype, t.stride()) for t in (q, k, v)), q.device, sinks_key)
+    key = (tuple(sorted(options.items())), chunks, boundaries, id(ulysses_group),
+           id(ring_group), *((t.shape, t.dtype, t.stride()) for t in (q, k, v)), q.device, sinks_key)
     recompute = recompute_plan(q, k, v, key, reuse)
-    return sequence_parallel_attention(q, k, v, ring, ulysses, recompute, sinks)
+    return sequence_parallel_attention(q, k, v, ring, ulysses, recompute, sinks, chunks)
 
 
 def _device(q: object) -> torch.device:
@@ -162,7 +175,7 @@ def raise_on_every_rank(error: Exception, q: object, k: object, v: object, *,
                         topology: SequenceParallelTopology, causal: object = True, layout: object = "zigzag",
                         softmax_scale: object = None, backend: object = "auto", cu_seqlens: Boundaries | None = None,
                         sinks: object = None, sliding_window: object = None, validate: bool | None = None,
-                        kv_exchange: object = "ring") -> NoReturn:
+                        kv_exchange: object = "ring", head_chunks: object = None) -> NoReturn:
     """Raise ``error``, which an integration found checking THIS rank's inputs of a
     :func:`hybrid_attention` call it was about to make (same arguments).
 
@@ -177,7 +190,7 @@ def raise_on_every_rank(error: Exception, q: object, k: object, v: object, *,
         signature = CallSignature.of(q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                                      ulysses_size=topology.ulysses_size, ring_size=topology.ring_size,
                                      cu_seqlens=cu_seqlens, sinks=sinks, sliding_window=sliding_window,
-                                     kv_exchange=kv_exchange)
+                                     kv_exchange=kv_exchange, head_chunks=head_chunks)
         agree(topology.sp_group, signature, error, always=True, device=_device(q))
     raise error
 
@@ -204,6 +217,7 @@ def ring_attention(
     sliding_window: int | None = None,
     reuse_on_recompute: bool | None = None,
     kv_exchange: str = "ring",
+    head_chunks: int | str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ring attention over ``group`` (None = the default group).
 
@@ -237,13 +251,19 @@ def ring_attention(
     holds ``R`` KV shards and ``R`` fp32 dK/dV shards in backward); ``"auto"``: the planner's
     choice for the call's shapes (:func:`ring_sp.planner.choose_kv_exchange`). Every option
     above works with either.
+    ``head_chunks``: run the call's heads in that many chunks (None or 1: all at once), each of
+    whole GQA groups, so the all-to-all and ring buffers and the fp32 accumulators exist for one
+    chunk at a time (results and bytes sent are the unchunked ones). It must divide the KV
+    heads a rank holds (``h_kv``, or ``h_kv / U`` after the Ulysses split; 1 when U > h_kv
+    replicates them). ``"auto"``: the planner's choice for the call's shapes
+    (:func:`ring_sp.plan.head_chunk_choice.choose_head_chunks`).
     """
     ring_group = _group_or_world(group)
     out, lse = _attention(q, k, v, ulysses_group=None, ring_group=ring_group, agreement_group=ring_group,
                           causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                           return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
                           sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute,
-                          kv_exchange=kv_exchange)
+                          kv_exchange=kv_exchange, head_chunks=head_chunks)
     return (out, lse) if return_lse else out
 
 
@@ -262,6 +282,7 @@ def ulysses_attention(
     sinks: torch.Tensor | None = None,
     sliding_window: int | None = None,
     reuse_on_recompute: bool | None = None,
+    head_chunks: int | str | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention over ``group`` (None = the default group).
 
@@ -269,15 +290,16 @@ def ulysses_attention(
     (every layout works: the all-to-all output is put back in natural order). Needs
     ``h % U == 0`` and ``h_kv % U == 0`` or ``U % h_kv == 0`` (KV heads are then
     replicated only to the ranks that need them). Returns ``[b, n, h, d_v]``.
-    ``validate``, ``cu_seqlens``, ``sliding_window``, ``reuse_on_recompute`` and ``sinks``
-    (all ``h`` heads on every rank; each rank's ``sinks.grad`` holds its ``h/U`` heads'
+    ``validate``, ``cu_seqlens``, ``sliding_window``, ``reuse_on_recompute``, ``head_chunks`` and
+    ``sinks`` (all ``h`` heads on every rank; each rank's ``sinks.grad`` holds its ``h/U`` heads'
     share, zeros elsewhere): as in :func:`ring_attention`.
     """
     ulysses_group = _group_or_world(group)
     return _attention(q, k, v, ulysses_group=ulysses_group, ring_group=None, agreement_group=ulysses_group,
                       causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                       return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
-                      sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute)[0]
+                      sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute,
+                      head_chunks=head_chunks)[0]
 
 
 def hybrid_attention(
@@ -296,6 +318,7 @@ def hybrid_attention(
     sliding_window: int | None = None,
     reuse_on_recompute: bool | None = None,
     kv_exchange: str = "ring",
+    head_chunks: int | str | None = None,
 ) -> torch.Tensor:
     """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
 
@@ -308,6 +331,7 @@ def hybrid_attention(
     as in :func:`ring_attention` and :func:`ulysses_attention` (``document_zigzag`` works
     for every ``U x R``). ``kv_exchange``: as in :func:`ring_attention`, over the ring group
     (after the Ulysses all-to-all: the ``h_kv / U`` KV heads are gathered, never q-replicated).
+    ``head_chunks``: as in :func:`ring_attention` (chunks of the ``h_kv / U`` KV heads a rank holds).
     """
     if not isinstance(topology, SequenceParallelTopology):
         raise TypeError(
@@ -318,4 +342,4 @@ def hybrid_attention(
                       agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
                       backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
                       sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute,
-                      kv_exchange=kv_exchange)[0]
+                      kv_exchange=kv_exchange, head_chunks=head_chunks)[0]

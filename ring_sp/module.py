@@ -7,7 +7,7 @@ from torch import nn
 
 from .attention import hybrid_attention
 from .topology import SequenceParallelTopology
-from .validation import check_kv_exchange, check_options, check_sliding_window
+from .validation import check_head_chunks, check_kv_exchange, check_options, check_sliding_window
 
 
 class SequenceParallelAttention(nn.Module):
@@ -21,6 +21,8 @@ class SequenceParallelAttention(nn.Module):
     ``sliding_window``: the default window of :meth:`forward` (see
     :func:`ring_sp.ring_attention`; needs ``causal=True``). ``kv_exchange``: how each ring
     group exchanges KV, ``"ring"``, ``"all_gather"`` or ``"auto"`` (see :func:`ring_sp.ring_attention`).
+    ``head_chunks``: run the heads in that many chunks of whole GQA groups, or ``"auto"`` (None:
+    unchunked; see :func:`ring_sp.ring_attention`); checked against the heads at each call.
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class SequenceParallelAttention(nn.Module):
         sliding_window: int | None = None,
         reuse_on_recompute: bool | None = None,
         kv_exchange: str = "ring",
+        head_chunks: int | str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(topology, SequenceParallelTopology):
@@ -42,7 +45,9 @@ class SequenceParallelAttention(nn.Module):
         check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
         check_sliding_window(sliding_window, causal)
         check_kv_exchange(kv_exchange)
+        check_head_chunks(head_chunks)
         self.kv_exchange = kv_exchange
+        self.head_chunks = head_chunks
         self.sliding_window = sliding_window
         self.topology = topology
         self.causal = causal
@@ -65,11 +70,12 @@ class SequenceParallelAttention(nn.Module):
             q, k, v, topology=self.topology, causal=self.causal, layout=self.layout,
             softmax_scale=self.softmax_scale, backend=self.backend, validate=self.validate, cu_seqlens=cu_seqlens,
             sinks=sinks, sliding_window=window, reuse_on_recompute=self.reuse_on_recompute,
-            kv_exchange=self.kv_exchange,
+            kv_exchange=self.kv_exchange, head_chunks=self.head_chunks,
         )
 
     def extra_repr(self) -> str:
         t = self.topology
         window = f", sliding_window={self.sliding_window}" if self.sliding_window is not None else ""
+        window += f", head_chunks={self.head_chunks!r}" if self.head_chunks is not None else ""
         return (f"ulysses={t.ulysses_size}, ring={t.ring_size}, causal={self.causal}, layout={self.layout!r}, "
                 f"backend={self.backend!r}, kv_exchange={self.kv_exchange!r}{window}")

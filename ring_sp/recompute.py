@@ -29,6 +29,9 @@ anything else computes afresh: never a stale result. An entry is emptied when it
 used, and in any case released after its owner's backward (a node post-hook) or when its
 owner is freed (eval or an abandoned graph): the registry only holds weak references.
 
+Head chunks (:class:`ring_sp.function.HeadChunkedAttention`) keep the same bytes in one entry:
+with Ulysses each chunk's head-sharded ``out`` and ``lse``, without it the whole ``out`` and ``lse``.
+
 Cost: per layer, ``out`` + ``lse`` between the first forward and the backward (with
 Ulysses the head-sharded ``out``: the same bytes as the output shard), e.g. 8 heads x 64
 fp32 at 1024 tokens per rank: 2.03 MiB. Worth it whenever the ring (R > 1) is on: the
@@ -47,7 +50,7 @@ import os
 import sys
 import weakref
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,13 +87,14 @@ def fingerprint(*tensors: torch.Tensor) -> torch.Tensor:
 
 
 class Entry:
-    """One first run's ``out`` and ``lse``, until a re-run takes them or the owner goes."""
+    """One first run's ``out`` and ``lse`` (with head chunks, each chunk's: ``out_0, lse_0,
+    out_1, ...``), until a re-run takes them or the owner goes."""
 
-    def __init__(self, key: Hashable, print_: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    def __init__(self, key: Hashable, print_: torch.Tensor, *tensors: torch.Tensor) -> None:
         self.key, self.fingerprint = key, print_
-        self.tensors: tuple[torch.Tensor, torch.Tensor] | None = (out.detach(), lse.detach())
+        self.tensors: tuple[torch.Tensor, ...] | None = tuple(t.detach() for t in tensors)
 
-    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def take(self) -> tuple[torch.Tensor, ...] | None:
         tensors, self.tensors = self.tensors, None
         _registry.discard(self)
         return tensors
@@ -164,20 +168,39 @@ def _under_checkpoint_hooks() -> bool:
 @dataclass
 class RecomputePlan:
     """What one call does: reuse ``reused`` (out, lse), or compute and, when ``keep``, keep
-    them for the re-run on ``owner`` (None = the call's own autograd node)."""
+    them for the re-run on ``owner`` (None = the call's own autograd node). With head chunks
+    run by ``parts`` ring nodes (:mod:`ring_sp.function`), one entry holds each part's
+    (out, lse) in turn: ``out_0, lse_0, out_1, ...``."""
 
     key: Hashable
     fingerprint: torch.Tensor | None
-    reused: tuple[torch.Tensor, torch.Tensor] | None = None
+    reused: tuple[torch.Tensor, ...] | None = None
     keep: bool = False
     owner: object | None = None
+    parts: int = 1
+    _pending: list[torch.Tensor] = field(default_factory=list)
+
+    def reuse(self, part: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Part ``part``'s reused (out, lse), handed out once (None: compute them)."""
+        if self.reused is None:
+            return None
+        out, lse = self.reused[2 * part:2 * part + 2]
+        rest = list(self.reused)
+        rest[2 * part:2 * part + 2] = None, None  # the plan holds no reference once handed out
+        self.reused = None if part == self.parts - 1 else tuple(rest)
+        return out, lse
 
     def kept(self, node: object, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Keep ``out``/``lse`` of a first run on its owner; released after the owner's backward."""
+        """Keep a first run's ``out``/``lse`` (the parts', in order; the entry is made with the
+        last, on its owner); released after the owner's backward."""
         if not self.keep or self.fingerprint is None:
             return
+        self._pending += [out, lse]
+        if len(self._pending) < 2 * self.parts:
+            return
         owner = self.owner if self.owner is not None else node
-        entry = Entry(self.key, self.fingerprint, out, lse)
+        entry = Entry(self.key, self.fingerprint, *self._pending)
+        self._pending = []
         entries = getattr(owner, "_ring_sp_recompute", None)
         if entries is None:
             entries = []

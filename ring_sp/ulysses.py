@@ -17,6 +17,12 @@ travel in one all-to-all, flattened per destination, so v's head size may differ
 Storage: the received q, k, v (and dout) are copied once into ``[b, H/U, U*n, d]`` storage
 when the kernel is ``head_major`` (the CPU op: dense rows per head make its backward 3-16%
 faster and spare its forward three copies), else returned as views of the receive buffer.
+
+Head chunks (``chunk`` of ``chunks``, :mod:`ring_sp.function`): every function that reads or
+writes the sequence-layout side takes one chunk of each destination's heads, rank ``j``'s
+heads ``j*H/U + chunk*H/(U*chunks) + [0, H/(U*chunks))`` (:func:`chunk_heads`): each rank keeps
+the heads it has unchunked, so results and gradients are the unchunked ones, and a chunk's
+all-to-all moves exactly its share of the bytes. The default (chunk 0 of 1) is the whole.
 """
 
 from __future__ import annotations
@@ -29,13 +35,20 @@ from .layouts import Reorder
 from .shapes import kv_heads_per_rank
 
 
-def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str,
-                head_major: bool = False) -> torch.Tensor:
-    """[b, n, H, d] -> [b, U*n, H/U, d] (tokens reordered by ``order`` if given; ``head_major``:
-    see :func:`head_from_recv`)."""
+def chunk_heads(x: torch.Tensor, ulysses_size: int, chunk: int = 0, chunks: int = 1) -> torch.Tensor:
+    """``[b, n, H, d]`` -> the view ``[b, n, U, H/(U*chunks), d]`` of each destination rank's
+    heads of chunk ``chunk`` (destination ``j``: heads ``j*H/U + chunk*H/(U*chunks) + i``).
+    A view whenever x's head and head-size dims can be split (always for a dense last dim)."""
     b, n, heads, d = x.shape
+    return x.reshape(b, n, ulysses_size, chunks, heads // (ulysses_size * chunks), d)[:, :, :, chunk]
+
+
+def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str,
+                head_major: bool = False, chunk: int = 0, chunks: int = 1) -> torch.Tensor:
+    """[b, n, H, d] -> [b, U*n, H/U, d] (tokens reordered by ``order`` if given; ``head_major``:
+    see :func:`head_from_recv`); with ``chunks``: chunk ``chunk``'s heads only, ``H/(U*chunks)``."""
     u = dist.get_world_size(group)
-    send = x.reshape(b, n, u, heads // u, d).permute(2, 0, 1, 3, 4).contiguous()  # [dst, b, n, H/U, d]
+    send = chunk_heads(x, u, chunk, chunks).permute(2, 0, 1, 3, 4).contiguous()  # [dst, b, n, H/U, d]
     recv = exchange(send, group, kind)
     del send  # before head_from_recv's copy
     return head_from_recv(recv, order, head_major)
@@ -55,10 +68,12 @@ def head_from_recv(recv: torch.Tensor, order: Reorder | None, head_major: bool =
     return gathered if order is None else order.apply(gathered)
 
 
-def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str) -> torch.Tensor:
-    """Inverse of :func:`seq_to_head`: [b, U*n, H/U, d] -> [b, n, H, d]."""
+def head_to_seq(y: torch.Tensor, group: dist.ProcessGroup, order: Reorder | None, kind: str,
+                into: torch.Tensor | None = None, chunk: int = 0, chunks: int = 1) -> torch.Tensor:
+    """Inverse of :func:`seq_to_head`: [b, U*n, H/U, d] -> [b, n, H, d]; with ``into``, written
+    into chunk ``chunk`` of ``chunks`` of its heads (see :func:`seq_from_recv`)."""
     u = dist.get_world_size(group)
-    return seq_from_recv(exchange(head_send_buffer(y, u, order), group, kind))
+    return seq_from_recv(exchange(head_send_buffer(y, u, order), group, kind), into, chunk, chunks)
 
 
 def head_send_buffer(y: torch.Tensor, ulysses_size: int, order: Reorder | None) -> torch.Tensor:
@@ -77,9 +92,14 @@ def exchange(send: torch.Tensor, group: dist.ProcessGroup, kind: str) -> torch.T
     return recv
 
 
-def seq_from_recv(recv: torch.Tensor) -> torch.Tensor:
-    """[src = head group, b, n, H/U, d] -> [b, n, H, d] (one copy)."""
+def seq_from_recv(recv: torch.Tensor, into: torch.Tensor | None = None, chunk: int = 0,
+                  chunks: int = 1) -> torch.Tensor:
+    """[src = head group, b, n, H/U, d] -> [b, n, H, d] (one copy); with ``into`` (``[b, n,
+    H*chunks, d]``), the copy goes to its chunk ``chunk`` (:func:`chunk_heads`) and ``into`` is returned."""
     u, b, n, heads_local, d = recv.shape
+    if into is not None:
+        chunk_heads(into, u, chunk, chunks).copy_(recv.permute(1, 2, 0, 3, 4))
+        return into
     return recv.permute(1, 2, 0, 3, 4).reshape(b, n, u * heads_local, d)
 
 
@@ -90,21 +110,22 @@ def _replication_index(kv_heads: int, ulysses_size: int, device: torch.device) -
     return torch.arange(ulysses_size, device=device) * kv_heads // ulysses_size
 
 
-def pack_kv(k: torch.Tensor, v: torch.Tensor, ulysses_size: int) -> torch.Tensor:
+def pack_kv(k: torch.Tensor, v: torch.Tensor, ulysses_size: int, chunk: int = 0, chunks: int = 1) -> torch.Tensor:
     """k ``[b, n, h_kv, d]``, v ``[b, n, h_kv, d_v]`` -> the all-to-all's send buffer
     ``[dst, b, n, m*(d + d_v)]``: per destination rank its m k heads then its m v heads,
-    flattened, so ONE all-to-all moves both whatever ``d_v`` is (``m = kv_heads_per_rank``).
+    flattened, so ONE all-to-all moves both whatever ``d_v`` is (``m = kv_heads_per_rank``;
+    with ``chunks``, chunk ``chunk``'s ``m / chunks`` of them, never replicated).
     k and v are copied once, straight into place."""
     b, n, kv_heads, d = k.shape
     index = _replication_index(kv_heads, ulysses_size, k.device)
     if index is not None:
         k, v = k.index_select(2, index), v.index_select(2, index)
-    m = kv_heads_per_rank(kv_heads, ulysses_size)
+    m = kv_heads_per_rank(kv_heads, ulysses_size) // chunks
     u = ulysses_size
     split = m * d
     send = torch.empty((u, b, n, split + m * v.shape[3]), dtype=k.dtype, device=k.device)
-    send[..., :split].copy_(k.reshape(b, n, u, split).permute(2, 0, 1, 3))
-    send[..., split:].copy_(v.reshape(b, n, u, -1).permute(2, 0, 1, 3))
+    send[..., :split].unflatten(-1, (m, d)).copy_(chunk_heads(k, u, chunk, chunks).permute(2, 0, 1, 3, 4))
+    send[..., split:].unflatten(-1, (m, -1)).copy_(chunk_heads(v, u, chunk, chunks).permute(2, 0, 1, 3, 4))
     return send
 
 
@@ -134,14 +155,22 @@ def kv_grads_send_buffer(dk: torch.Tensor, dv: torch.Tensor, ulysses_size: int, 
     return send
 
 
-def kv_grads_from_recv(recv: torch.Tensor, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_grads_from_recv(recv: torch.Tensor, kv_heads: int, head_dim: int,
+                       into: tuple[torch.Tensor, torch.Tensor] | None = None, chunk: int = 0,
+                       chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Adjoint of :func:`pack_kv` on the received ``[src, b, n, m*(d + d_v)]``: dk ``[b, n, h_kv, d]``,
     dv ``[b, n, h_kv, d_v]``, summing the gradients of replicated heads (in ``recv``'s dtype:
-    pass float32 to sum exactly)."""
+    pass float32 to sum exactly). With ``into`` (dk, dv; no replication): written into chunk
+    ``chunk`` of ``chunks`` of their heads, and returned."""
     u, b, n, width = recv.shape
-    m = kv_heads_per_rank(kv_heads, u)
+    m = kv_heads_per_rank(kv_heads, u) // chunks
     split = m * head_dim
     d_v = (width - split) // m
+    if into is not None:
+        dk_all, dv_all = into
+        chunk_heads(dk_all, u, chunk, chunks).copy_(recv[..., :split].unflatten(-1, (m, head_dim)).permute(1, 2, 0, 3, 4))
+        chunk_heads(dv_all, u, chunk, chunks).copy_(recv[..., split:].unflatten(-1, (m, d_v)).permute(1, 2, 0, 3, 4))
+        return dk_all, dv_all
     dk = recv[..., :split].reshape(u, b, n, m, head_dim).permute(1, 2, 0, 3, 4).reshape(b, n, u * m, head_dim)
     dv = recv[..., split:].reshape(u, b, n, m, d_v).permute(1, 2, 0, 3, 4).reshape(b, n, u * m, d_v)
     index = _replication_index(kv_heads, u, recv.device)

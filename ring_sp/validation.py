@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .layouts import LAYOUTS
+from .shapes import kv_heads_per_rank
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # The local attention backends a call may name (ring_sp.kernels runs them).
@@ -164,4 +165,47 @@ def check_kv_exchange(kv_exchange: object) -> None:
             f"kv_exchange={kv_exchange!r} is not one of {KV_EXCHANGES}: 'ring' rotates KV shards around the ring "
             f"group (the default), 'all_gather' gathers every KV shard once and reduce-scatters dK/dV, 'auto' lets "
             f"the planner (ring_sp.planner.choose_kv_exchange) pick"
+        )
+
+
+HEAD_CHUNKS_AUTO = "auto"  # head_chunks="auto": ring_sp.plan.head_chunk_choice picks the count
+
+
+def check_head_chunks(head_chunks: object) -> None:
+    """``head_chunks`` is None (unchunked), a positive int (that many chunks of heads) or "auto"."""
+    if head_chunks is None or (isinstance(head_chunks, str) and head_chunks == HEAD_CHUNKS_AUTO):
+        return
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int):
+        raise TypeError(f"head_chunks must be a positive int, 'auto' or None (unchunked); got {_describe(head_chunks)}")
+    if head_chunks < 1:
+        raise ValueError(f"head_chunks={head_chunks} must be >= 1 (the number of chunks of heads; 1 or None: "
+                         f"unchunked) or 'auto'")
+
+
+def check_head_chunk_split(chunks: int, heads: int, kv_heads: int, ulysses_size: int) -> None:
+    """``chunks`` splits this rank's heads into equal chunks of whole GQA groups: each chunk holds
+    ``m / chunks`` of the ``m`` KV heads a rank holds after the all-to-all
+    (:func:`ring_sp.shapes.kv_heads_per_rank`) and the query heads that read them. Run after
+    :func:`ring_sp.shapes.check_ulysses_heads`."""
+    if chunks == 1:
+        return
+    m = kv_heads_per_rank(kv_heads, ulysses_size)
+    where = f"k/v heads={kv_heads}" + (f" over ulysses_size={ulysses_size}" if ulysses_size > 1 else "")
+    if kv_heads % ulysses_size != 0:
+        raise ValueError(
+            f"head_chunks={chunks} needs whole KV heads per chunk, but ulysses_size={ulysses_size} > {kv_heads} k/v "
+            f"heads replicates each KV head to {ulysses_size // kv_heads} ranks: a rank holds ONE KV head, read by "
+            f"all its {heads // ulysses_size} query heads, so its heads cannot be split without sending that KV head "
+            f"again per chunk. Use head_chunks=1 (or 'auto', which picks 1 here)"
+        )
+    if chunks > m:
+        raise ValueError(
+            f"head_chunks={chunks} is more than the {m} KV head(s) a rank holds ({where}): a chunk holds whole "
+            f"GQA groups (its KV heads and the query heads that read them). Use at most {m}, or 'auto'"
+        )
+    if m % chunks != 0:
+        divisors = [c for c in range(1, m + 1) if m % c == 0]
+        raise ValueError(
+            f"head_chunks={chunks} does not split the {m} KV heads a rank holds ({where}) into equal chunks of whole "
+            f"GQA groups (KV heads and the query heads that read them); use one of {divisors}, or 'auto'"
         )

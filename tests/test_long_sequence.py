@@ -417,7 +417,11 @@ def test_deepspeed_section_takes_and_checks_the_switches() -> None:
 
     assert RingSPConfig.from_dict({}).long_sequence is None  # off by default: existing configs unchanged
     section = {"tiled_mlp": True, "tiled_loss": True, "offload_checkpoints": False, "tile_tokens": 512}
-    assert RingSPConfig.from_dict(section).long_sequence == {**section, "lean_layers": None}  # None: on with tiling
+    # lean_layers None: on with tiling; head_chunks null: "auto" with the long-sequence step
+    assert RingSPConfig.from_dict(section).long_sequence == {**section, "lean_layers": None, "head_chunks": "auto"}
+    assert RingSPConfig.from_dict({**section, "head_chunks": 2}).long_sequence["head_chunks"] == 2
+    with pytest.raises(ValueError, match=r"ring_sp\.head_chunks"):
+        RingSPConfig.from_dict({"tiled_mlp": True, "head_chunks": 0})
     assert RingSPConfig.from_dict({**section, "lean_layers": False}).long_sequence["lean_layers"] is False
     with pytest.raises(TypeError, match=r"ring_sp\.lean_layers must be true, false or null"):
         RingSPConfig.from_dict({"tiled_mlp": True, "lean_layers": 1})
@@ -429,8 +433,10 @@ def test_deepspeed_section_takes_and_checks_the_switches() -> None:
 
 # ---------------------------------------------------------------- the grid
 
-def sp_case(arch: str, u: int, r: int, packed: bool, tied: bool = False) -> dict[str, Any]:
-    """model_loss (tiled MLP + loss) on the U x R grid vs transformers' untiled loss on one rank."""
+def sp_case(arch: str, u: int, r: int, packed: bool, tied: bool = False, head_chunks: int | None = None
+            ) -> dict[str, Any]:
+    """model_loss (tiled MLP + loss, lean layers, ``head_chunks``) on the U x R grid vs transformers'
+    untiled loss on one rank; also the head_chunks every attention call was given."""
     import torch.distributed as dist
 
     import dist_cases
@@ -442,27 +448,37 @@ def sp_case(arch: str, u: int, r: int, packed: bool, tied: bool = False) -> dict
     batch = _global_batch(packed)
     reference, model = _models(arch, torch.float32, "set", tie_word_embeddings=tied)
     _, ref_loss, ref_grads = _reference_run(reference, batch)
-    rsp_hf.enable_long_sequence(model, tile_tokens=3)
-    loss = rsp_hf.model_loss(model, rsp_hf.shard_batch(batch, topology), topology=topology)
+    rsp_hf.enable_long_sequence(model, tile_tokens=3, head_chunks=head_chunks)
+    import ring_sp.integrations.transformers.attention as hf_attention
+
+    seen, real = set(), hf_attention.hybrid_attention
+    hf_attention.hybrid_attention = lambda *a, **k: seen.add(k.get("head_chunks")) or real(*a, **k)
+    try:
+        loss = rsp_hf.model_loss(model, rsp_hf.shard_batch(batch, topology), topology=topology)
+    finally:
+        hf_attention.hybrid_attention = real
     loss.backward()
     errors = []
     for name, p in model.named_parameters():
         g = p.grad.detach().clone()
         dist.all_reduce(g, group=topology.sp_group)  # gradients summed over SP (gradients_averaged_over_sp=False)
         errors.append(((g - ref_grads[name]).abs().max() / ref_grads[name].abs().max().clamp(min=1e-30)).item())
-    return {"loss": abs(loss.item() - ref_loss), "grads": max(errors)}
+    return {"loss": abs(loss.item() - ref_loss), "grads": max(errors), "head_chunks": seen}
 
 
 @needs_transformers
-@pytest.mark.parametrize("arch,u,r,packed,tied", [
-    ("llama", 2, 2, True, False),
-    ("qwen3", 1, 4, False, True),
-    pytest.param("mistral", 1, 4, True, False, marks=pytest.mark.slow),
-    pytest.param("gemma3", 2, 2, False, True, marks=pytest.mark.slow),
+@pytest.mark.parametrize("arch,u,r,packed,tied,chunks", [
+    ("llama", 2, 2, True, False, None),
+    ("qwen3", 1, 4, False, True, 2),
+    pytest.param("mistral", 1, 4, True, False, None, marks=pytest.mark.slow),
+    pytest.param("gemma3", 2, 2, False, True, None, marks=pytest.mark.slow),
 ])
-def test_tiled_step_on_the_grid_equals_one_rank(pools, arch: str, u: int, r: int, packed: bool, tied: bool) -> None:
-    for rank, res in enumerate(pools.get(4).run(sp_case, arch, u, r, packed, tied, timeout=300)):
+def test_tiled_step_on_the_grid_equals_one_rank(pools, arch: str, u: int, r: int, packed: bool, tied: bool,
+                                                chunks: int | None) -> None:
+    """The long-sequence step (default head_chunks "auto"; 2 chunks from enable_long_sequence) against one rank."""
+    for rank, res in enumerate(pools.get(4).run(sp_case, arch, u, r, packed, tied, chunks or "auto", timeout=300)):
         assert res["loss"] <= LOSS_TOL and res["grads"] <= GRAD_TOL, f"rank {rank}: {res}"
+        assert res["head_chunks"] == {chunks or "auto"}, res  # what enable_long_sequence set reaches every call
 
 
 DS_ENV = {"DS_ACCELERATOR": "cpu"}

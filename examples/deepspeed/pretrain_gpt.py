@@ -210,7 +210,8 @@ class GPT(nn.Module):
     _checkpoint: Callable[..., torch.Tensor] | None = None
 
     def enable_long_sequence(self, *, tiled_mlp: bool, tiled_loss: bool, offload_checkpoints: bool,
-                             tile_tokens: int | None, lean_layers: bool | None = None) -> None:
+                             tile_tokens: int | None, lean_layers: bool | None = None,
+                             head_chunks: int | str | None = None) -> None:
         """The ``"ring_sp"`` section's long-sequence switches (``rsp_ds.initialize`` calls this).
 
         ``tiled_mlp``: each block's MLP over tiles of ``tile_tokens`` tokens; ``tiled_loss``:
@@ -222,6 +223,9 @@ class GPT(nn.Module):
         if lean_layers:  # None (the default) asks for lean pieces where there are some: a GPT has none
             raise ValueError("lean_layers=True: ring_sp's lean layers replace RMSNorms, and this GPT has LayerNorms; "
                              "pass lean_layers=false or leave it unset")
+        for block in self.blocks:  # the attention's heads in chunks (ring_sp.SequenceParallelAttention)
+            if block.attn.core is not None:
+                block.attn.core.head_chunks = head_chunks
         if offload_checkpoints and not self.checkpointing:
             raise ValueError("offload_checkpoints=True needs activation checkpointing: pass --checkpoint-activations, "
                              "or offload_checkpoints=False")

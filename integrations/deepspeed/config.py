@@ -23,7 +23,7 @@ from typing import Any
 from ring_sp import LAYOUTS, PLACEMENTS
 from ring_sp.kernels import BACKENDS
 from ring_sp.tiling import check_tile_tokens
-from ring_sp.validation import KV_EXCHANGES
+from ring_sp.validation import KV_EXCHANGES, check_head_chunks
 
 SECTION = "ring_sp"
 _SP_KEY = "sequence_parallel_size"  # DeepSpeed's own key: must equal ulysses_size * ring_size
@@ -47,6 +47,8 @@ class RingSPConfig:
     ``auto``: see :func:`ring_sp.ring_attention`); ``enabled: false`` keeps the section but
     turns ring_sp off. ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``, ``tile_tokens``
     and ``lean_layers`` (null: on with tiling) switch on the long-sequence step (default off; see
+    ``head_chunks``: the attention's heads in chunks (null: unchunked, ``"auto"`` with the
+    long-sequence step; an int or ``"auto"``); see
     ``ring_sp.integrations.transformers.enable_long_sequence``).
     """
 
@@ -62,6 +64,7 @@ class RingSPConfig:
     offload_checkpoints: bool = False
     tile_tokens: int | None = None
     lean_layers: bool | None = None
+    head_chunks: int | str | None = None
 
     def __post_init__(self) -> None:
         for key in ("ulysses_size", "ring_size"):
@@ -84,6 +87,10 @@ class RingSPConfig:
         if self.lean_layers is not None and not isinstance(self.lean_layers, bool):
             raise TypeError(f"{SECTION}.lean_layers must be true, false or null (on with tiling); got "
                             f"{_describe(self.lean_layers)}")
+        try:
+            check_head_chunks(self.head_chunks)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{SECTION}.head_chunks: {exc}") from None
         if self.layout == "striped" and self.ulysses_size > 1 and self.ring_size > 1:
             # after the Ulysses all-to-all a ring rank would not hold a striped ring shard
             raise ValueError(
@@ -104,7 +111,7 @@ class RingSPConfig:
             return None
         return {"tiled_mlp": self.tiled_mlp, "tiled_loss": self.tiled_loss,
                 "offload_checkpoints": self.offload_checkpoints, "tile_tokens": self.tile_tokens,
-                "lean_layers": self.lean_layers}
+                "lean_layers": self.lean_layers, "head_chunks": "auto" if self.head_chunks is None else self.head_chunks}
 
     @classmethod
     def from_dict(cls, section: object) -> RingSPConfig:

@@ -37,7 +37,7 @@ from ring_sp.agreement import defer, raise_at_next_agreement, shard_values
 from ring_sp.attention import raise_on_every_rank
 from ring_sp.layouts import Boundaries, as_boundaries, check_grid_layout
 from ring_sp.integrations.versions import require_supported
-from ring_sp.validation import check_kv_exchange, check_options
+from ring_sp.validation import check_head_chunks, check_kv_exchange, check_options
 
 from .features import (UnsupportedFeatureError, check_mask_call, check_model_config, labels_error, model_name,
                        ring_sp_call_options)
@@ -54,6 +54,7 @@ class Registration:
     layout: str
     backend: str
     kv_exchange: str = "ring"
+    head_chunks: int | str | None = None
 
 
 class RingSPAttention:
@@ -86,13 +87,16 @@ class RingSPAttention:
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [b, h, n, d] -> ring_sp [b, n, h, d]
+        chunks = getattr(module, "ring_sp_head_chunks", None)  # enable_long_sequence's, else register()'s
+        chunks = reg.head_chunks if chunks is None else chunks
         mark, positions = kwargs.get(SHARD_KEY), kwargs.get("position_ids")
         with shard_values(agreed_values(mark)):  # the global batch, compared across ranks on every call
             try:
                 options = ring_sp_call_options(module, query, key, attention_mask, kwargs, layout=reg.layout,
                                                backend=reg.backend, boundaries=self._boundaries)
             except (TypeError, ValueError) as exc:
-                raise_on_every_rank(exc, q, k, v, topology=reg.topology, layout=reg.layout, backend=reg.backend)
+                raise_on_every_rank(exc, q, k, v, topology=reg.topology, layout=reg.layout, backend=reg.backend,
+                                    kv_exchange=reg.kv_exchange, head_chunks=chunks)
             seen = (mark, positions, tuple(t._version for t in (mark, positions) if isinstance(t, torch.Tensor)),
                     options["cu_seqlens"], options["layout"])
             last = self._checked
@@ -103,9 +107,11 @@ class RingSPAttention:
                                 boundaries=options["cu_seqlens"], topology=reg.topology,
                                 where=model_name(getattr(module, "config", None)))
                 except (TypeError, ValueError) as exc:
-                    raise_on_every_rank(exc, q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, **options)
+                    raise_on_every_rank(exc, q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange,
+                                        head_chunks=chunks, **options)
                 self._checked = seen
-            return hybrid_attention(q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, **options), None
+            return hybrid_attention(q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, head_chunks=chunks,
+                                    **options), None
 
     def mask(self, *, attention_mask: torch.Tensor | None = None, q_length: int = 0, kv_length: int = 0,
              q_offset: Any = 0, config: Any = None, **kwargs: Any) -> torch.Tensor | None:
@@ -135,7 +141,7 @@ class RingSPAttention:
 
 
 def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", backend: str = "auto",
-             kv_exchange: str = "ring") -> str:
+             kv_exchange: str = "ring", head_chunks: int | str | None = None) -> str:
     """Register ring_sp with transformers; returns ``"ring_sp"`` for ``attn_implementation=``.
 
     Afterwards ``AutoModelForCausalLM.from_config(cfg, attn_implementation="ring_sp")``,
@@ -146,7 +152,9 @@ def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", back
     documents turn ``zigzag`` into ``document_zigzag`` on both sides). ``backend``: the
     local kernel (``ring_sp.kernels.BACKENDS``). ``kv_exchange``: the ring groups' KV
     exchange (``ring``, ``all_gather`` or ``auto``; see :func:`ring_sp.ring_attention`).
-    No communication. Raises when the installed transformers is outside the supported range
+    ``head_chunks``: every layer's heads in that many chunks (None: unchunked; ``"auto"``;
+    see :func:`ring_sp.hybrid_attention`); an attention module's own ``ring_sp_head_chunks``
+    (set by ``enable_long_sequence``) takes precedence. No communication. Raises when the installed transformers is outside the supported range
     (``ring_sp.integrations.versions``).
     """
     require_supported("transformers", "ring_sp.integrations.transformers.register")
@@ -158,10 +166,11 @@ def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", back
     check_options(causal=True, layout=layout, softmax_scale=None, backend=backend)
     check_grid_layout(layout, topology.ulysses_size, topology.ring_size)
     check_kv_exchange(kv_exchange)
+    check_head_chunks(head_chunks)
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    attention = RingSPAttention(Registration(topology, layout, backend, kv_exchange))
+    attention = RingSPAttention(Registration(topology, layout, backend, kv_exchange, head_chunks))
     AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, attention.mask)
     _guard_generate()

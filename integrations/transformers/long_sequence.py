@@ -39,6 +39,7 @@ from ring_sp import sequence_parallel_loss
 from ring_sp.data import IGNORE_INDEX
 from ring_sp.offload import OffloadedCheckpoint
 from ring_sp.tiling import check_tile_tokens
+from ring_sp.validation import check_head_chunks
 
 from .lean_layers import check_lean_layers, set_lean_layers
 from .loss import loss_reduction
@@ -56,6 +57,7 @@ class LongSequenceConfig:
     offload_checkpoints: bool
     tile_tokens: int | None  # None: every tile sized by the library from the model and the shard
     lean_layers: bool = False
+    head_chunks: int | str | None = None
 
 
 def _check_flag(name: str, value: object) -> bool:
@@ -79,7 +81,7 @@ def _unwrap(model: Any) -> nn.Module:
 
 def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = True,
                          offload_checkpoints: bool = False, tile_tokens: int | None = None,
-                         lean_layers: bool | None = None) -> nn.Module:
+                         lean_layers: bool | None = None, head_chunks: int | str | None = "auto") -> nn.Module:
     """Switch a Hugging Face causal LM to the long-sequence step, in place; returns ``model``.
 
     ``tiled_mlp``: every decoder MLP over tiles of ``tile_tokens`` tokens (exact; one
@@ -92,7 +94,9 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
     tile's intermediates are no larger than the shard's ``[n, hidden]`` hidden state; see
     :func:`ring_sp.shapes.auto_tile_tokens`). ``lean_layers`` (None, the default: on when
     anything is tiled): every RMSNorm keeps only its input and one fp32 rstd per row for the
-    backward (:mod:`.lean_layers`; exact). Local: no communication, so every
+    backward (:mod:`.lean_layers`; exact). ``head_chunks`` (default ``"auto"``): every ring_sp
+    attention layer runs its heads in chunks (:func:`ring_sp.hybrid_attention`; exact, the same
+    bytes; None: as :func:`.register` says). Local: no communication, so every
     rank raises the same error before any collective. Calling it again replaces the settings.
     """
     module = _unwrap(model)
@@ -103,6 +107,7 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
     if lean_layers is None:
         lean_layers = tiled_mlp or tiled_loss
     _check_flag("lean_layers", lean_layers)
+    check_head_chunks(head_chunks)
     mlps = decoder_mlps(module) if tiled_mlp else []
     for name, mlp in mlps:
         check_mlp(name, mlp)
@@ -120,7 +125,12 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
     if head is not None:
         mix(head, TiledHead)
     set_lean_layers(module, bool(norms))
-    module.ring_sp_long_sequence = LongSequenceConfig(tiled_mlp, tiled_loss, offload_checkpoints, tile, lean_layers)
+    for layer in decoder_layers(module):  # read by the ring_sp attention interface (register())
+        attention = getattr(layer, "self_attn", None)
+        if isinstance(attention, nn.Module):
+            attention.ring_sp_head_chunks = head_chunks
+    module.ring_sp_long_sequence = LongSequenceConfig(tiled_mlp, tiled_loss, offload_checkpoints, tile, lean_layers,
+                                                      head_chunks)
     if offload_checkpoints:
         _install_offload(module)
     return model

@@ -86,7 +86,7 @@ def prepare_sequence_parallel(args: TrainingArguments, **settings: Any) -> Seque
             return None
         args.device  # noqa: B018 -- sets up torch.distributed through accelerate/DeepSpeed as the Trainer will
         topology = rsp_ds.build_topology(sp)
-    register(topology, layout=sp.layout, backend=sp.backend, kv_exchange=sp.kv_exchange)
+    register(topology, layout=sp.layout, backend=sp.backend, kv_exchange=sp.kv_exchange, head_chunks=sp.head_chunks)
     return topology
 
 

@@ -195,7 +195,9 @@ def test_head_chunks_shrink_the_attention_backward_by_the_chunk_share() -> None:
     assert at(None) == (n * 20608, n * 69632)
     for chunks in (2, 4, 8):
         assert at(chunks) == (n * 20608, n * (12288 + 94208 // chunks))
-    assert at("auto") == at(8)
+    assert at("auto") == at(None)  # "auto" is the runtime's choice: a 1000-token shard stays unchunked
+    long = lambda chunks: ring_sp_attention(LLAMA_8B, sm.Training(head_chunks=chunks), n=2**19, ulysses=1, ring=8)  # noqa: E731
+    assert long("auto") == long(8) != long(None)  # at long context the finest split
     # U=8: one KV head per rank, so one chunk at most ("auto" = 1 = unchunked); more is refused, naming it
     assert ring_sp_attention(LLAMA_8B, sm.Training(head_chunks="auto"), n=n, ulysses=8, ring=1) == \
         ring_sp_attention(LLAMA_8B, sm.Training(), n=n, ulysses=8, ring=1)

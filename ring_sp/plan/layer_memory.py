@@ -23,7 +23,8 @@ import math
 
 from ..shapes import GATED_MLP_TILE_TENSORS, LOSS_TILE_TENSORS, auto_tile_tokens, kv_heads_per_rank
 from .layer_cost import attention_memory
-from .request import PlanError, dtype_bytes
+from .head_chunk_choice import choose_head_chunks
+from .request import DTYPES, PlanError, dtype_bytes
 from .training import HEAD_CHUNKS_AUTO, Training
 from .transformer import Transformer
 
@@ -50,15 +51,21 @@ def mlp_kept(model: Transformer, training: Training) -> int:
     return {"hf": 4, "fused": 3, "lean": 2}[pieces(training)] * e * model.ffn
 
 
-def head_chunk_count(model: Transformer, training: Training, ulysses: int) -> int:
+def head_chunk_count(model: Transformer, training: Training, ulysses: int, *, n: int | None = None,
+                     ring: int = 1) -> int:
     """Chunks of heads ring_sp's attention runs in (1 for ALST and unchunked). A chunk holds
-    whole GQA groups, so at most the KV heads a rank holds after the all-to-all; "auto" takes
-    that many (the finest split: at long context every chunk's messages stay large)."""
+    whole GQA groups, so at most the KV heads a rank holds after the all-to-all; "auto" is the
+    runtime's own choice for ``n`` tokens on the rank (:func:`.head_chunk_choice.choose_head_chunks`;
+    ``n`` None: the finest split, what it takes at long context)."""
     if training.library != "ring_sp" or training.head_chunks in (None, 1):
         return 1
     most = kv_heads_per_rank(model.kv_heads, ulysses)
     if training.head_chunks == HEAD_CHUNKS_AUTO:
-        return most
+        if n is None:
+            return most
+        return choose_head_chunks(ulysses=ulysses, ring=ring, batch=1, local_len=n, heads=model.heads,
+                                  kv_heads=model.kv_heads, head_dim=model.head_dim, value_head_dim=model.head_dim,
+                                  dtype=DTYPES[training.dtype])
     if training.head_chunks > most:
         raise PlanError(f"head-chunks={training.head_chunks} exceeds the {most} KV head(s) a rank holds at "
                         f"U={ulysses} ({model.kv_heads} KV heads): a chunk holds whole GQA groups; use at most "
@@ -97,7 +104,7 @@ def ring_sp_attention(model: Transformer, training: Training, *, n: int, ulysses
     q, kv = model.q_width, model.kv_width
     mem = attention_memory(ulysses=ulysses, ring=ring, batch=1, local_len=n, heads=model.heads,
                            kv_heads=model.kv_heads, head_dim=model.head_dim, dtype=training.dtype)
-    chunks = head_chunk_count(model, training, ulysses)
+    chunks = head_chunk_count(model, training, ulysses, n=n, ring=ring)
     if chunks == 1:
         # without Ulysses the ring keeps q, k, v (rotation keeps no input); with it the
         # all-to-all keeps nothing and the head-layout copies are in mem.kept

@@ -118,7 +118,7 @@ def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses
     transient = phases[phase] * (1 + training.fragmentation)
     return StepMemory(seq_len, n, params, grads, states, buffers, checkpoints, kept, transient, phase,
                       training.reserved_bytes, phases, host_memory(model, training, n=n, sp=sp),
-                      head_chunk_count(model, training, ulysses))
+                      head_chunk_count(model, training, ulysses, n=n, ring=ring))
 
 
 def _longest(fits, unit: int) -> int:

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from example_scripts import load_script, run_launcher
+from test_transformers_trainer import _rel, _token_mean  # the one-rank eval oracle, shared
 
 REPO = Path(__file__).resolve().parents[1]
 DS_ENV = {"DS_ACCELERATOR": "cpu"}  # the pools of tests/test_trl.py: one pool start for both files
@@ -122,24 +123,6 @@ def trainer_case(grid: tuple[int, int] | None, output_dir: str, micro: int) -> d
         if grid is None:
             out["token_mean"] = _token_mean(trainer)
     return out
-
-
-def _token_mean(trainer: Any) -> float:
-    """The oracle of evaluate(): the held-out set's next-token loss as ONE token mean, here, without SP."""
-    total, count = 0.0, 0
-    model = trainer.model.eval()
-    with torch.no_grad():
-        for batch in trainer.get_eval_dataloader():
-            labels = batch.pop("labels")[:, 1:]  # the collator marks each packed document's first label -100
-            logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[:, :-1]
-            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(),
-                                                       reduction="sum").item()
-            count += int((labels != -100).sum())
-    return total / count
-
-
-def _rel(got: float, want: float) -> float:
-    return abs(got - want) / max(abs(want), 1e-12)
 
 
 def _compare(results: list[dict[str, Any]], ref: dict[str, Any], *, keys: tuple[str, ...] = ("loss", "grad_norm"),

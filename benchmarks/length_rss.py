@@ -37,10 +37,8 @@ from typing import Any
 
 import torch
 
-import ring_sp.integrations.transformers as rsp_hf
-
 from .launch import Launcher, PoolLauncher, TorchrunLauncher, sp_group
-from .length import ALST, LengthMode, _alst_step, _model, global_batch, length, small_llama_config
+from .length import ALST, TILED_2X2, LengthMode, _alst_step, _ring_sp_step, global_batch, length, small_llama_config
 from .length import markdown as live_bytes_markdown
 from .tables import table
 
@@ -90,20 +88,6 @@ class PeakRssGrowth:
         self.bytes = (_status_kib("VmHWM") - self.before_kib) * 1024
 
 
-def _ring_sp_step(mode: RssMode, seq_len: int):
-    import ring_sp
-
-    topo = ring_sp.init_sequence_parallel(2, torch.distributed.get_world_size(sp_group()) // 2)
-    rsp_hf.register(topo, layout="zigzag")
-    model = _model(small_llama_config(), "ring_sp")
-    if mode.tile_tokens is None:  # the issue's exact call: every other argument its default
-        rsp_hf.enable_long_sequence(model, tiled_mlp=True, tiled_loss=True)
-    else:
-        rsp_hf.enable_long_sequence(model, tiled_mlp=True, tiled_loss=True, tile_tokens=mode.tile_tokens)
-    shard = rsp_hf.shard_batch(global_batch(seq_len), topo)
-    return lambda: rsp_hf.model_loss(model, shard, topology=topo)
-
-
 def rss_case(mode: RssMode, seq_len: int) -> dict[str, Any]:
     """One step of ``mode`` at ``seq_len`` global tokens on this rank: its peak RSS growth and the global loss."""
     return_freed_buffers()
@@ -113,8 +97,8 @@ def rss_case(mode: RssMode, seq_len: int) -> dict[str, Any]:
         alst = LengthMode(ALST.name, "alst", p, tiled=True)
         _, loss_fn = _alst_step(alst, small_llama_config(), global_batch(seq_len),
                                 loss_tile_tokens=math.ceil(seq_len // p / ALST_LOSS_SHARDS))
-    else:
-        loss_fn = _ring_sp_step(mode, seq_len)
+    else:  # U2xR2, enable_long_sequence(tiled_mlp=True, tiled_loss=True, tile_tokens=mode.tile_tokens)
+        _, loss_fn = _ring_sp_step(TILED_2X2, small_llama_config(), global_batch(seq_len), mode.tile_tokens)
     with PeakRssGrowth() as rss:
         loss = loss_fn()
         loss.backward()

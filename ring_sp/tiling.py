@@ -57,7 +57,7 @@ def tile_tokens_for(tile_tokens: int | None, tokens: int, *, kept: torch.Tensor,
     if tile_tokens is not None:
         return tile_tokens
     return auto_tile_tokens(tokens, kept_width=kept.shape[-1], kept_bytes=kept.element_size(), tile_width=tile_width,
-                            tile_bytes=torch.empty((), dtype=tile_dtype).element_size())
+                            tile_bytes=tile_dtype.itemsize)
 
 
 def _accumulator(param: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@ class LengthMode:
     kind: str
     ulysses: int = 1
     tiled: bool = False
+    head_chunks: int | str = "auto"  # ring_sp tiled: enable_long_sequence's head_chunks
 
     def world_size(self, sp: int) -> int:
         return 1 if self.kind == "single" else sp
@@ -61,9 +62,10 @@ class LengthMode:
 UNTILED = LengthMode("ring_sp untiled U2xR2", "ring_sp", 2)
 TILED_2X2 = LengthMode("ring_sp tiled U2xR2", "ring_sp", 2, tiled=True)
 TILED_1X4 = LengthMode("ring_sp tiled U1xR4", "ring_sp", 1, tiled=True)
+CHUNKED_1X4 = LengthMode("ring_sp tiled U1xR4, 4 head chunks", "ring_sp", 1, tiled=True, head_chunks=4)
 ALST = LengthMode("ALST Ulysses SP4 + TiledMLP + tiled loss", "alst", 4, tiled=True)
 SINGLE = LengthMode("one rank untiled", "single")
-LENGTH_MODES = (UNTILED, TILED_2X2, TILED_1X4, ALST, SINGLE)
+LENGTH_MODES = (UNTILED, TILED_2X2, TILED_1X4, CHUNKED_1X4, ALST, SINGLE)
 
 
 def small_llama_config(layers: int = 2, vocab: int = VOCAB):
@@ -96,7 +98,8 @@ def _ring_sp_step(mode: LengthMode, config, batch: dict[str, torch.Tensor], tile
     rsp_hf.register(topo, layout="zigzag")
     model = _model(config, "ring_sp")
     if mode.tiled:
-        rsp_hf.enable_long_sequence(model, tiled_mlp=True, tiled_loss=True, tile_tokens=tile_tokens)
+        rsp_hf.enable_long_sequence(model, tiled_mlp=True, tiled_loss=True, tile_tokens=tile_tokens,
+                                    head_chunks=mode.head_chunks)
     shard = rsp_hf.shard_batch(batch, topo)
 
     def loss() -> torch.Tensor:
@@ -262,7 +265,8 @@ def training_of(mode: LengthMode, cfg: LengthConfig) -> tuple[Training, int, int
     training = Training(dtype="fp32", tiled_mlp=mode.tiled, tiled_loss=mode.tiled,
                         mlp_tile_tokens=cfg.tile_tokens if ours else None,
                         loss_tile_tokens=cfg.tile_tokens if ours else cfg.loss_tile_tokens,
-                        library="ring_sp" if ours else "alst", lean_layers=ours and mode.tiled)  # on with tiling
+                        library="ring_sp" if ours else "alst", lean_layers=ours and mode.tiled,  # on with tiling
+                        head_chunks=mode.head_chunks if ours and mode.tiled else None)
     u = mode.ulysses if ranks > 1 else 1
     return training, u, ranks // u
 

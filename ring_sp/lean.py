@@ -51,6 +51,21 @@ def _affine(variant: str, normed: torch.Tensor, weight: torch.Tensor, dtype: tor
     return (normed * (1.0 + weight.float())).to(dtype)
 
 
+def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """One fp32 ``1 / rms`` per row of the fp32 rows ``xf``, as the modules compute it."""
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, variant: str = "llama") -> torch.Tensor:
+    """RMSNorm of ``x`` ``[..., H]`` in plain autograd ops, bit for bit :func:`rms_norm`'s forward.
+
+    For a caller that recomputes the normalised rows itself, tile by tile (a tiled MLP that
+    keeps the norm's input instead of its output, :func:`..tiling.rowwise_origin`): autograd
+    then keeps one tile's fp32 rows at a time."""
+    xf = x.to(FP32)
+    return _affine(variant, xf * _rstd(xf, eps), weight, x.dtype)
+
+
 class _RMSNorm(torch.autograd.Function):
     """``x [..., H]`` -> RMSNorm(x) ``[..., H]``; keeps x and rstd ``[..., 1]`` fp32.
 
@@ -61,7 +76,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, _x: torch.Tensor, weight: torch.Tensor, eps: float, variant: str) -> torch.Tensor:
         xf = x.to(FP32)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        rstd = _rstd(xf, eps)
         ctx.save_for_backward(x, rstd, weight)
         ctx.variant = variant
         return _affine(variant, xf * rstd, weight, x.dtype)
@@ -313,4 +328,4 @@ def gated_mlp(x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], gate
     return _GatedMLP.apply(x, x, act, gate_w, gate_b, up_w, up_b, down_w, down_b)
 
 
-__all__ = ["NORM_VARIANTS", "gated_mlp", "linear_keeping_input", "rms_norm", "rotary"]
+__all__ = ["NORM_VARIANTS", "gated_mlp", "linear_keeping_input", "rms_norm", "rms_norm_rows", "rotary"]

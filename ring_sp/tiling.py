@@ -22,12 +22,14 @@ no distributed calls here.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .data import IGNORE_INDEX
 from .shapes import LOSS_TILE_TENSORS, auto_tile_tokens
+from .tensor_tags import tag, tagged
 
 DEFAULT_TILE_TOKENS = None
 """``tile_tokens=None``, the default everywhere: the library sizes each tile from the model
@@ -58,6 +60,36 @@ def tile_tokens_for(tile_tokens: int | None, tokens: int, *, kept: torch.Tensor,
         return tile_tokens
     return auto_tile_tokens(tokens, kept_width=kept.shape[-1], kept_bytes=kept.element_size(), tile_width=tile_width,
                             tile_bytes=tile_dtype.itemsize)
+
+
+@dataclass(frozen=True)
+class RowwiseOrigin:
+    """How a tensor was made row by row: ``fn(source, *params())``, each row from its own row of
+    ``source`` (an RMSNorm's output from its input). A consumer that recomputes its input tile by
+    tile (the tiled MLP) keeps ``source`` instead, which the model keeps anyway (the residual
+    stream), and folds ``fn`` into its tiles: the tensor itself is then kept by nobody.
+    ``params`` is called where the consumer runs (a ZeRO-3 engine gathers the weights there)."""
+
+    source: torch.Tensor
+    fn: Callable[..., torch.Tensor]
+    params: Callable[[], Sequence[torch.Tensor | None]]
+
+
+_ORIGIN = "rowwise_origin"
+
+
+def mark_rowwise_origin(tensor: torch.Tensor, source: torch.Tensor, fn: Callable[..., torch.Tensor],
+                        params: Callable[[], Sequence[torch.Tensor | None]]) -> torch.Tensor:
+    """Record that ``tensor`` ``= fn(source, *params())`` row by row (same shape); returns it.
+    A :mod:`ring_sp.tensor_tags` tag: aliases (ZeRO-3's wrapped module outputs) carry it too."""
+    return tag(tensor, _ORIGIN, RowwiseOrigin(source, fn, params))
+
+
+def rowwise_origin(tensor: torch.Tensor) -> RowwiseOrigin | None:
+    """The :class:`RowwiseOrigin` of ``tensor`` or an alias of it, if it still holds (same elements,
+    not changed in place since), else None."""
+    origin = tagged(tensor, _ORIGIN)
+    return origin if origin is not None and origin.source.shape == tensor.shape else None
 
 
 def _accumulator(param: torch.Tensor) -> torch.Tensor:
@@ -243,4 +275,5 @@ def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                           torch.is_grad_enabled())
 
 
-__all__ = ["DEFAULT_TILE_TOKENS", "check_tile_tokens", "tile_tokens_for", "tiled_linear_cross_entropy", "tiled_map"]
+__all__ = ["DEFAULT_TILE_TOKENS", "RowwiseOrigin", "check_tile_tokens", "mark_rowwise_origin", "rowwise_origin",
+           "tile_tokens_for", "tiled_linear_cross_entropy", "tiled_map"]

@@ -41,7 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ring_sp.lean import gated_mlp, linear_keeping_input, rms_norm, rotary
+from ring_sp.lean import gated_mlp, linear_keeping_input, rms_norm, rms_norm_rows, rotary
+from ring_sp.tensor_tags import tag, tagged
+from ring_sp.tiling import mark_rowwise_origin
 
 from .tiled_modules import GATED_MLPS, TiledGatedMLP, TiledHead, mix
 
@@ -80,7 +82,11 @@ class LeanRMSNorm:
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         eps = self.eps if hasattr(self, "eps") else self.variance_epsilon
-        return rms_norm(hidden_states, self.weight, eps, LEAN_NORMS[self.ring_sp_hf_class.__name__])
+        variant = LEAN_NORMS[self.ring_sp_hf_class.__name__]
+        out = rms_norm(hidden_states, self.weight, eps, variant)
+        # a tiled MLP fed by this norm keeps hidden_states and normalises its tiles again
+        return mark_rowwise_origin(out, hidden_states, lambda rows, weight: rms_norm_rows(rows, weight, eps, variant),
+                                   lambda: (self.weight,))
 
 
 @dataclass(frozen=True)
@@ -105,9 +111,9 @@ class LeanRotary:
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         cls = self.ring_sp_hf_class
         cos, sin = cls.forward(self, x, position_ids, *args)
-        source = RopeSource(self, cls, x.dtype, x.device, args)
-        cos.ring_sp_rope = sin.ring_sp_rope = (source, position_ids)  # lives as long as the tables
-        return cos, sin
+        source = (RopeSource(self, cls, x.dtype, x.device, args), position_ids)
+        # on the tables' storage (ring_sp.tensor_tags): ZeRO-3 hands the attention aliases of them
+        return tag(cos, "rope", source), tag(sin, "rope", source)
 
 
 class LeanAttention:
@@ -154,15 +160,15 @@ class LeanAttention:
 
 
 def _rope_source(module: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> tuple[RopeSource, torch.Tensor]:
-    tag = getattr(cos, "ring_sp_rope", None)
-    if tag is None or getattr(sin, "ring_sp_rope", None) is not tag:
+    source = tagged(cos, "rope")
+    if source is None or tagged(sin, "rope") is not source:
         raise ValueError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) got position_embeddings its model's "
             f"rotary embedding did not make: ring_sp's lean RoPE makes cos/sin again from the positions in the backward, "
             f"so they must come from the model's rotary_emb (run the model, not the layer alone); or pass "
             f"lean_layers=False"
         )
-    return tag
+    return source
 
 
 class LeanGatedMLP:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ring_sp.shapes import GATED_MLP_TILE_TENSORS
-from ring_sp.tiling import tiled_linear_cross_entropy, tiled_map
+from ring_sp.tiling import rowwise_origin, tiled_linear_cross_entropy, tiled_map
 
 # MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (transformers 5.18)
 GATED_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
@@ -53,8 +53,17 @@ class TiledGatedMLP:
         linears = (self.gate_proj, self.up_proj, self.down_proj)
         params = [lin.weight for lin in linears] + [lin.bias for lin in linears]
         act = self.act_fn
-        return tiled_map(lambda tile, *p: _gated_mlp(tile, act, *p), x, params, tile_tokens=self.ring_sp_tile_tokens,
-                         tile_width=GATED_MLP_TILE_TENSORS * self.gate_proj.weight.shape[0])
+        width = GATED_MLP_TILE_TENSORS * self.gate_proj.weight.shape[0]
+        origin = rowwise_origin(x)
+        if origin is None:
+            return tiled_map(lambda tile, *p: _gated_mlp(tile, act, *p), x, params, tile_tokens=self.ring_sp_tile_tokens,
+                             tile_width=width)
+        # x is a lean norm's output: keep the norm's input (the residual, kept anyway) and
+        # normalise each tile again, so the [n, hidden] normalised rows are kept by nobody
+        norm, before = origin.fn, list(origin.params())
+        k = len(before)
+        return tiled_map(lambda tile, *p: _gated_mlp(norm(tile, *p[:k]), act, *p[k:]), origin.source,
+                         before + params, tile_tokens=self.ring_sp_tile_tokens, tile_width=width)
 
 
 def check_mlp(name: str, mlp: nn.Module) -> None:

@@ -9,7 +9,8 @@ Counts in bytes for ``n`` tokens on the rank, from the modules' saved tensors:
   the residual stream, kept anyway), RoPE nothing, SwiGLU gate and up (the product is
   ``down_proj``'s input);
 * ring_sp's lean layers (``lean_layers=True``): RMSNorm as Liger's, RoPE nothing beyond
-  positions, an untiled gated MLP gate and up only (act and product recomputed);
+  positions, an untiled gated MLP gate and up only (act and product recomputed); a tiled MLP
+  keeps its norm's input instead of its output (the norm runs again per tile);
 * the attention: ring_sp's (:func:`ring_sp.plan.layer_cost.attention_memory`; with head
   chunks, :func:`ring_sp_attention`) or ALST's (:func:`alst_attention_memory`).
 
@@ -42,6 +43,13 @@ def norm_kept(model: Transformer, training: Training) -> int:
     """Bytes one RMSNorm keeps per token (its input, the residual stream, is counted there)."""
     e, _ = dtype_bytes(training.dtype)
     return 2 * FP32 * model.hidden if pieces(training) == "hf" else e * model.hidden + FP32
+
+
+def mlp_renormalises(training: Training) -> bool:
+    """Whether the MLP's norm output is kept by nobody: ring_sp's tiled MLP fed by a lean norm keeps
+    the norm's input (the residual, counted there) and normalises each tile again
+    (:func:`ring_sp.tiling.rowwise_origin`), so that norm keeps nothing of its own."""
+    return training.library == "ring_sp" and training.tiled_mlp and pieces(training) == "lean"
 
 
 def mlp_kept(model: Transformer, training: Training) -> int:
@@ -130,12 +138,14 @@ def attention(model: Transformer, training: Training, *, n: int, ulysses: int, r
 
 def layer_kept(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int) -> float:
     """Bytes one layer keeps for its backward (no checkpointing), ``n`` tokens on this rank,
-    its output (the next layer's input) included."""
+    its output (the next layer's input) included; the MLP's norm keeps nothing when the tiled
+    MLP normalises its tiles again (:func:`mlp_renormalises`)."""
     e, _ = dtype_bytes(training.dtype)
     residual = e * model.hidden  # the residual after attention; the layer's output below
     mlp = 0 if training.tiled_mlp else mlp_kept(model, training)
     kept_attention = attention(model, training, n=n, ulysses=ulysses, ring=ring)[0]
-    return n * (2 * norm_kept(model, training) + 2 * residual + mlp) + kept_attention
+    norms = (1 if mlp_renormalises(training) else 2) * norm_kept(model, training)
+    return n * (norms + 2 * residual + mlp) + kept_attention
 
 
 def mlp_tile(model: Transformer, training: Training, n: int) -> int:
@@ -211,10 +221,12 @@ def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulys
     tile = mlp_tile(model, training, n)
     acts = {"hf": 4, "fused": 3, "lean": 4}[pieces(training)] * e * model.ffn  # lean recomputes act and product
     mlp = 2 * e * model.ffn * tile + ((acts * tile + 2 * n * e * h) if training.tiled_mlp else 0)
+    if mlp_renormalises(training):  # the tile's norm again, under autograd: its fp32 rows and normalised rows
+        mlp += 2 * FP32 * h * tile
     att = attention(model, training, n=n, ulysses=ulysses, ring=ring)[1]
     return 2 * n * e * h + recompute + max(mlp, att)
 
 
 __all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "attention", "head_chunk_count", "layer_backward_phase",
-           "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_kept", "mlp_tile", "norm_kept", "pieces",
-           "ring_sp_attention"]
+           "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_kept", "mlp_renormalises", "mlp_tile",
+           "norm_kept", "pieces", "ring_sp_attention"]

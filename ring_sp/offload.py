@@ -1,4 +1,4 @@
-"""Activation checkpoints in host memory: offloaded in the forward, prefetched one layer ahead in the backward.
+"""Activation checkpoints in host memory: offloaded in the forward, brought back in the backward.
 
 With activation checkpointing a model keeps, per layer, only the layer's input hidden state
 ``[b, n, H]``; at long context those are still ``layers x tokens x H`` (32 GiB for a
@@ -9,9 +9,14 @@ that checkpoints the layer and moves what the checkpoint keeps to the host throu
 
 * forward: each tensor the checkpoint saves goes to the host as it is saved
   (``torch.autograd.graph.saved_tensors_hooks`` around ``torch.utils.checkpoint``);
-* backward: the first unpack of layer ``i``'s tensors waits for them and starts the copy
-  of layer ``i - 1``'s (the next the backward needs) to the device, so the copy overlaps
-  layer ``i``'s recompute and backward.
+* backward: the first unpack of layer ``i``'s tensors starts their copy back (if not yet
+  started) and waits for it; with prefetch it also starts the copy of layer ``i - 1``'s (the
+  next the backward needs), so that copy overlaps layer ``i``'s recompute and backward, at
+  the cost of two layers' checkpoints on the device instead of one. ``prefetch=None`` (auto)
+  decides per layer with :func:`ring_sp.shapes.prefetch_checkpoint`: prefetch while a
+  checkpoint is at most 1/64 of the device's memory; beyond, the copy is a tiny share of a
+  layer's backward and the second buffer a large share of memory (the planner,
+  :mod:`ring_sp.plan.step_memory`, counts the same).
 
 The seam is the :class:`Mover` (``to_host`` / ``to_device`` start a copy, ``wait`` returns
 the result): :class:`CudaMover` uses pinned host memory, a side stream and events;
@@ -28,7 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .shapes import PIECE_GRANULE, pinned_piece_sizes
+from .shapes import PIECE_GRANULE, pinned_piece_sizes, prefetch_checkpoint
 
 
 class Mover(Protocol):
@@ -153,16 +158,30 @@ class DeviceMover:
         return self._for(pending[0]).wait(pending[1])
 
 
-class _Layer:
-    """What one checkpointed layer call saved: host handles, then pending device copies."""
+def _device_memory(device: torch.device | None) -> int | None:
+    """Total memory of a CUDA device; None for any other (CPU tensors do not move)."""
+    if device is None or device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory
 
-    def __init__(self, mover: Mover, index: int, previous: _Layer | None) -> None:
-        self.mover, self.index = mover, index
+
+class _Layer:
+    """What one checkpointed layer call saved: host handles, then pending device copies.
+    ``nbytes`` and ``device`` of what it saved are recorded at pack time, so deciding the
+    prefetch in the backward needs no sync."""
+
+    def __init__(self, mover: Mover, index: int, previous: _Layer | None, prefetch: bool | None) -> None:
+        self.mover, self.index, self.prefetch = mover, index, prefetch
         self.previous = None if previous is None else weakref.ref(previous)  # the layer before, in the forward
         self.host: list[Any] = []
         self.pending: list[Any] | None = None
+        self.unpacked = False  # whether this layer's backward has started
+        self.nbytes: int = 0
+        self.device: torch.device | None = None
 
     def pack(self, tensor: torch.Tensor) -> tuple[_Layer, int]:
+        self.nbytes += tensor.numel() * tensor.element_size()
+        self.device = tensor.device
         self.host.append(self.mover.to_host(tensor))
         return self, len(self.host) - 1
 
@@ -171,12 +190,20 @@ class _Layer:
         if self.pending is None:
             self.pending = [None if h is None else self.mover.to_device(h) for h in self.host]
 
+    def _prefetches(self, previous: _Layer) -> bool:
+        """Whether ``previous``'s copy back starts now, during this layer's backward."""
+        if self.prefetch is not None:
+            return self.prefetch
+        return prefetch_checkpoint(previous.nbytes, _device_memory(previous.device))
+
     def unpack(self, handle: tuple[_Layer, int]) -> torch.Tensor:
         _, i = handle
-        self.fetch()
-        previous = None if self.previous is None else self.previous()
-        if previous is not None:
-            previous.fetch()  # one layer ahead: the backward needs it next
+        if not self.unpacked:  # this layer's backward starts (its copy may have been prefetched)
+            self.unpacked = True
+            self.fetch()
+            previous = None if self.previous is None else self.previous()
+            if previous is not None and self._prefetches(previous):
+                previous.fetch()  # one layer ahead: the backward needs it next
         tensor = self.mover.wait(self.pending[i])
         self.host[i] = self.pending[i] = None  # each saved tensor is unpacked once
         return tensor
@@ -190,15 +217,25 @@ class OffloadedCheckpoint:
     use_reentrant=True)``, whose saved inputs pass through the mover (the non-reentrant
     variant keeps its inputs out of reach of saved-tensor hooks). ``layers_called`` counts
     calls (the forward order that decides the prefetch).
+
+    ``prefetch``: True copies layer ``i - 1``'s checkpoint back when layer ``i``'s backward
+    starts (two on the device, the copy hidden behind the backward); False copies each when
+    its own backward starts (one on the device); None (auto, the default) decides per layer
+    by :func:`ring_sp.shapes.prefetch_checkpoint` from the bytes the previous layer saved and
+    its device's total memory (always prefetch off a GPU).
     """
 
-    def __init__(self, mover: Mover | None = None) -> None:
+    def __init__(self, mover: Mover | None = None, *, prefetch: bool | None = None) -> None:
+        if prefetch is not None and not isinstance(prefetch, bool):
+            raise TypeError(f"prefetch={prefetch!r} must be True, False or None (auto: prefetch while a "
+                            f"checkpoint is small next to the device's memory); pass one of those")
         self.mover: Mover = DeviceMover() if mover is None else mover
+        self.prefetch = prefetch
         self.layers_called = 0
         self._last: Callable[[], _Layer | None] = lambda: None
 
     def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        layer = _Layer(self.mover, self.layers_called, self._last())
+        layer = _Layer(self.mover, self.layers_called, self._last(), self.prefetch)
         self.layers_called += 1
         self._last = weakref.ref(layer)
         with torch.autograd.graph.saved_tensors_hooks(layer.pack, lambda handle: handle[0].unpack(handle)):

@@ -10,7 +10,8 @@ the runtime and still count exactly what the runtime allocates and sends:
 * the bytes a recompute entry keeps besides out and lse (:data:`FINGERPRINT_BYTES`);
 * the tokens per tile of a tiled MLP or loss when the library sizes them
   (:func:`auto_tile_tokens`);
-* the pinned host blocks of an offloaded checkpoint (:func:`pinned_piece_sizes`).
+* the pinned host blocks of an offloaded checkpoint (:func:`pinned_piece_sizes`);
+* whether an offloaded checkpoint is prefetched a layer ahead (:func:`prefetch_checkpoint`).
 """
 
 from __future__ import annotations
@@ -89,3 +90,20 @@ def pinned_piece_sizes(nbytes: int, granule: int = PIECE_GRANULE) -> list[int]:
     """
     total = -(-nbytes // granule) * granule
     return [1 << bit for bit in range(total.bit_length() - 1, -1, -1) if total >> bit & 1]
+
+
+PREFETCH_SHARE = 64
+"""An offloaded checkpoint is prefetched a layer ahead while it is at most ``1 / PREFETCH_SHARE``
+of the device's memory (1.25 GiB of an 80 GiB H100: about 160K tokens per GPU at hidden 4096 bf16)."""
+
+
+def prefetch_checkpoint(checkpoint_bytes: float, device_bytes: float | None) -> bool:
+    """Whether to copy the previous layer's offloaded checkpoint back while this layer's backward
+    runs (two checkpoints on the device) rather than when its own backward starts (one).
+
+    The copy is ``n x H`` bytes, the layer's backward grows with ``n x N`` (attention), so above
+    :data:`PREFETCH_SHARE`'s share the copy is a tiny share of the backward's time (0.2 s next to
+    minutes at 790K tokens per GPU) while the second buffer is a large share of memory: not worth
+    it. ``device_bytes`` None (unknown, or not a GPU): prefetch. The runtime
+    (:class:`ring_sp.offload.OffloadedCheckpoint`) and the planner both decide here."""
+    return device_bytes is None or checkpoint_bytes * PREFETCH_SHARE <= device_bytes

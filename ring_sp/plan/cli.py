@@ -40,6 +40,7 @@ from .search import Plan, plan
 from .training import HEAD_CHUNKS_AUTO
 
 HOST_GIB_PER_GPU = 1900 / 8  # ALST's nodes: 1.9 TB of RAM for 8 H100s (issue 30)
+PREFETCH_CHOICES = {"auto": None, "on": True, "off": False}  # --prefetch-checkpoints -> Training.prefetch_checkpoints
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -109,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="model each offloaded checkpoint as ONE pinned host block rounded up to a power of two "
                            "(torch's caching host allocator; default no: ring_sp's CudaMover copies into power-of-two "
                            "pieces, ALST into pageable memory)")
+    step.add_argument("--prefetch-checkpoints", choices=tuple(PREFETCH_CHOICES), default="auto",
+                      help="ring_sp's offloaded checkpoints: bring the previous layer's back during a layer's backward "
+                           "(on: two on the GPU), each at its own layer's backward (off: one), or auto (default, as "
+                           "OffloadedCheckpoint: on while a checkpoint is at most 1/64 of the GPU's memory)")
     step.add_argument("--host-memory-gib", type=float,
                       help=f"host RAM per node of --gpus-per-node GPUs (default {HOST_GIB_PER_GPU * 8:g} GiB per 8 "
                            "GPUs, as on ALST's nodes): offloaded checkpoints, optimizer and parameters must fit")
@@ -154,7 +159,8 @@ def _training(args: argparse.Namespace) -> sm.Training:
                        tiled_mlp=args.tiled, tiled_loss=args.tiled, mlp_tile_tokens=args.tile_tokens,
                        loss_tile_tokens=args.tile_tokens, reserved_bytes=args.reserved_gib * 2**30,
                        lean_layers=lean, head_chunks=chunks, offload_params=args.offload_params,
-                       pinned_rounding=args.pinned_rounding)
+                       pinned_rounding=args.pinned_rounding,
+                       prefetch_checkpoints=PREFETCH_CHOICES[args.prefetch_checkpoints])
 
 
 def _request(args: argparse.Namespace) -> tuple[Cluster, ModelShape, Workload]:
@@ -260,7 +266,8 @@ def max_seq_len_request(args: argparse.Namespace, model: sm.Transformer) -> long
     if args.alst:  # the reserved memory is the GPU's, whoever trains
         ours = sm.long_sequence(reserved, lean_layers=True if args.lean_layers is None else args.lean_layers,
                                 head_chunks=HEAD_CHUNKS_AUTO if args.head_chunks is None else args.head_chunks,
-                                pinned_rounding=args.pinned_rounding)
+                                pinned_rounding=args.pinned_rounding,
+                                prefetch_checkpoints=PREFETCH_CHOICES[args.prefetch_checkpoints])
         recipes = (("ALST", replace(sm.alst(), reserved_bytes=reserved), True), ("ring_sp", ours, False))
     else:
         training = _training(args)
@@ -316,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if whole is not None:
             best = result.recommended
             step = sm.step_memory(whole, _training_for(args, best.ulysses, best.ring), seq_len=work.seq_len,
-                                  ulysses=best.ulysses, ring=best.ring)
+                                  ulysses=best.ulysses, ring=best.ring, memory_bytes=cluster.memory_bytes)
             # the whole step's verdict replaces the attention-only memory warning
             result = replace(result, warnings=tuple(w for w in result.warnings if "weights and optimizer" not in w))
     except PlanError as exc:

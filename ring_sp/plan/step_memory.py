@@ -11,7 +11,8 @@ rank):
 * activations kept for backward: every layer's tensors (:func:`layer_kept`, counted from
   the modules' saved tensors, :mod:`ring_sp.plan.layer_memory`), or with activation
   checkpointing only each layer's input (on the device, or in host memory with one or two
-  layers' worth on the device);
+  layers' worth on the device: two while the runtime prefetches,
+  :meth:`Training.device_checkpoint_layers`);
 * the largest transient, over the step's phases (:class:`StepMemory.phase`): the loss, one
   layer's backward and the optimizer update (:mod:`ring_sp.plan.layer_memory`);
 * on the host (:mod:`ring_sp.plan.host_memory`): offloaded checkpoints, optimizer, parameters.
@@ -94,10 +95,11 @@ def _resident(model: Transformer, training: Training, sp: int) -> tuple[float, f
     return params, grads, states, buffers
 
 
-def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses: int = 1, ring: int = 1
-                ) -> StepMemory:
+def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses: int = 1, ring: int = 1,
+                memory_bytes: float | None = None) -> StepMemory:
     """The peak bytes per rank of one training step of ``seq_len`` tokens (batch 1) on a
-    ``ulysses x ring`` grid; :class:`StepMemory` breaks it down."""
+    ``ulysses x ring`` grid; :class:`StepMemory` breaks it down. ``memory_bytes``: the GPU's
+    memory, for ring_sp's automatic checkpoint prefetch (None: unknown, prefetch)."""
     training.check()
     sp = ulysses * ring
     if seq_len < sp:
@@ -107,8 +109,10 @@ def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses
     params, grads, states, buffers = _resident(model, training, sp)
     one_layer = layer_kept(model, training, n=n, ulysses=ulysses, ring=ring)
     if training.checkpointing:
-        on_device = training.device_checkpoint_layers if training.offload_checkpoints else model.layers
-        checkpoints, kept, recompute = on_device * n * e * model.hidden, 0.0, one_layer
+        checkpoint = n * e * model.hidden  # one layer's input
+        on_device = (training.device_checkpoint_layers(checkpoint, memory_bytes) if training.offload_checkpoints
+                     else model.layers)
+        checkpoints, kept, recompute = on_device * checkpoint, 0.0, one_layer
     else:
         checkpoints, kept, recompute = 0.0, model.layers * one_layer, 0.0
     layer = layer_backward_phase(model, training, n=n, ulysses=ulysses, ring=ring, recompute=recompute)
@@ -122,7 +126,9 @@ def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses
 
 
 def _longest(fits, unit: int) -> int:
-    """The largest multiple ``k * unit`` with ``fits(k)`` (monotone), 0 if even ``unit`` does not."""
+    """The largest multiple ``k * unit`` with ``fits(k)`` (monotone), 0 if even ``unit`` does not.
+    (The auto prefetch drops one checkpoint, at most 1/64 of the GPU, where it turns off; the
+    search still returns a length that fits, with the next one not fitting.)"""
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -154,7 +160,8 @@ def longest_sequence(model: Transformer, training: Training, memory_bytes: float
     fits ``memory_bytes`` per GPU and whose host share fits ``host_bytes`` per node of
     ``ranks_per_node`` ranks; ``bound_by`` names the limit that stops it."""
     unit = multiple or 2 * ulysses * ring
-    step = lambda k: step_memory(model, training, seq_len=k * unit, ulysses=ulysses, ring=ring)  # noqa: E731
+    step = lambda k: step_memory(model, training, seq_len=k * unit, ulysses=ulysses, ring=ring,  # noqa: E731
+                                 memory_bytes=memory_bytes)
     on_gpu = lambda k: step(k).total <= memory_bytes  # noqa: E731
     on_host = lambda k: step(k).host.total * ranks_per_node <= host_bytes  # noqa: E731
     gpu_only = _longest(on_gpu, unit)

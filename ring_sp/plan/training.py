@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..shapes import prefetch_checkpoint
 from .request import PlanError, dtype_bytes
 
 HEAD_CHUNKS_AUTO = "auto"
@@ -39,7 +40,11 @@ class Training:
     models offloaded checkpoints in ONE pinned host block each, rounded up to a power of two by
     torch's caching host allocator (what ring_sp's ``CudaMover`` did before it copied into
     power-of-two pieces, :func:`ring_sp.shapes.pinned_piece_sizes`); ALST copies them to
-    pageable memory of their exact size.
+    pageable memory of their exact size. ``prefetch_checkpoints`` (``OffloadedCheckpoint(prefetch=...)``):
+    True brings the previous layer's offloaded checkpoint back during a layer's backward (two on
+    the device), False each at its own layer's backward (one), None the runtime's auto rule
+    (:func:`ring_sp.shapes.prefetch_checkpoint`: prefetch while a checkpoint is at most 1/64 of
+    the GPU's memory).
     """
 
     dtype: str = "bf16"
@@ -62,6 +67,7 @@ class Training:
     head_chunks: int | str | None = None
     offload_params: bool = False
     pinned_rounding: bool | None = None
+    prefetch_checkpoints: bool | None = None
 
     def check(self) -> None:
         """Raise :class:`PlanError` naming the first option that cannot be planned, and the fix."""
@@ -88,6 +94,12 @@ class Training:
         if self.library == "alst" and (self.lean_layers or chunks not in (None, 1)):
             raise PlanError(f"lean-layers={self.lean_layers} / head-chunks={chunks!r} are ring_sp's pieces; ALST "
                             f"(library='alst') has neither: drop them or use library='ring_sp'")
+        prefetch = self.prefetch_checkpoints
+        if prefetch is not None and not isinstance(prefetch, bool):
+            raise PlanError(f"prefetch-checkpoints={prefetch!r} must be True, False or None (the runtime's auto rule)")
+        if self.library == "alst" and prefetch is not None:
+            raise PlanError(f"prefetch-checkpoints={prefetch} is ring_sp's choice; ALST (library='alst') always "
+                            f"brings one checkpoint back at a time: drop it or use library='ring_sp'")
         if self.pinned_rounding is not None and not isinstance(self.pinned_rounding, bool):
             raise PlanError(f"pinned-rounding={self.pinned_rounding!r} must be True, False or None (the library's)")
 
@@ -97,12 +109,18 @@ class Training:
         tiled loss (ArcticTraining ``sft_trainer.py``: ``if self.config.model.type == "liger"``)."""
         return self.library == "alst" and self.kernels == "fused"
 
-    @property
-    def device_checkpoint_layers(self) -> int:
-        """Offloaded checkpoints on the device during the backward: ring_sp's ``OffloadedCheckpoint``
-        prefetches one layer ahead (two); ALST copies each back synchronously when its layer's
-        backward starts (one: ArcticTraining ``monkey_patches.py``, ``CheckpointFunctionWithCPUOffload``)."""
-        return 2 if self.library == "ring_sp" else 1
+    def device_checkpoint_layers(self, checkpoint_bytes: float, memory_bytes: float | None) -> int:
+        """Offloaded checkpoints of ``checkpoint_bytes`` each on a GPU of ``memory_bytes`` (None:
+        unknown) during the backward: ring_sp's ``OffloadedCheckpoint`` has two when it prefetches
+        one layer ahead (``prefetch_checkpoints``, None: :func:`ring_sp.shapes.prefetch_checkpoint`),
+        else one; ALST copies each back synchronously when its layer's backward starts (one:
+        ArcticTraining ``monkey_patches.py``, ``CheckpointFunctionWithCPUOffload``)."""
+        if self.library != "ring_sp":
+            return 1
+        prefetch = self.prefetch_checkpoints
+        if prefetch is None:
+            prefetch = prefetch_checkpoint(checkpoint_bytes, memory_bytes)
+        return 2 if prefetch else 1
 
     @property
     def rounds_pinned(self) -> bool:
@@ -126,12 +144,15 @@ def alst(zero_ranks: int | None = None) -> Training:
 
 
 def long_sequence(reserved_bytes: float = 0.0, *, lean_layers: bool = True,
-                  head_chunks: int | str | None = HEAD_CHUNKS_AUTO, pinned_rounding: bool | None = None) -> Training:
+                  head_chunks: int | str | None = HEAD_CHUNKS_AUTO, pinned_rounding: bool | None = None,
+                  prefetch_checkpoints: bool | None = None) -> Training:
     """ring_sp under ALST's ZeRO-3 / offload recipe with ``enable_long_sequence``'s defaults:
-    tiled MLP and loss with tiles sized by the library, lean layers on, head chunks "auto"."""
+    tiled MLP and loss with tiles sized by the library, lean layers on, head chunks "auto",
+    offloaded checkpoints prefetched by the runtime's auto rule (``prefetch_checkpoints=None``)."""
     return Training(dtype="bf16", zero_stage=3, offload_optimizer=True, checkpointing=True, offload_checkpoints=True,
                     tiled_mlp=True, tiled_loss=True, reserved_bytes=reserved_bytes, lean_layers=lean_layers,
-                    head_chunks=head_chunks, pinned_rounding=pinned_rounding)
+                    head_chunks=head_chunks, pinned_rounding=pinned_rounding,
+                    prefetch_checkpoints=prefetch_checkpoints)
 
 
 __all__ = ["HEAD_CHUNKS_AUTO", "Training", "alst", "long_sequence"]

@@ -45,7 +45,8 @@ from ring_sp.lean import gated_mlp, linear_keeping_input, rms_norm, rms_norm_row
 from ring_sp.tensor_tags import tag, tagged
 from ring_sp.tiling import mark_rowwise_origin
 
-from .tiled_modules import GATED_MLPS, TiledGatedMLP, TiledHead, mix
+from .module_classes import hf_class, mix, unmix
+from .tiled_modules import GATED_MLPS, TiledGatedMLP
 
 # RMSNorm classes (transformers 5.18) -> how they apply their weight (ring_sp.lean.NORM_VARIANTS)
 LEAN_NORMS = {"LlamaRMSNorm": "llama", "Qwen2RMSNorm": "llama", "Qwen3RMSNorm": "llama", "MistralRMSNorm": "llama",
@@ -180,43 +181,6 @@ class LeanGatedMLP:
 
 
 LEAN_MIXINS = (LeanRMSNorm, LeanRotary, LeanAttention, LeanGatedMLP)
-_RING_SP_MIXINS = (*LEAN_MIXINS, TiledGatedMLP, TiledHead)
-
-
-# ---------------------------------------------------------------- classes
-
-def hf_class(module: nn.Module) -> type:
-    """``module``'s class without ring_sp's mixins (lean or tiled): transformers' class."""
-    cls = type(module)
-    while len(cls.__bases__) == 2 and cls.__bases__[0] in _RING_SP_MIXINS:
-        cls = cls.__bases__[1]
-    return cls
-
-
-_MIXED: dict[tuple[type, type], type] = {}
-
-
-def _mix(module: nn.Module, mixin: type) -> None:
-    """Give ``module`` the class ``mixin + its class`` (one class per pair: copies and isinstance work)."""
-    if isinstance(module, mixin):
-        return
-    cls = type(module)
-    if (mixin, cls) not in _MIXED:
-        _MIXED[mixin, cls] = type(f"RingSPLean{cls.__name__}", (mixin, cls),
-                                  {"__module__": __name__, "ring_sp_hf_class": hf_class(module)})
-    module.__class__ = _MIXED[mixin, cls]
-
-
-def _unmix(module: nn.Module, mixin: type) -> None:
-    """Take ``mixin`` out of ``module``'s class, keeping any ring_sp mixin mixed in above it."""
-    above = []
-    while isinstance(module, mixin):
-        cls = type(module)
-        if cls.__bases__[0] is not mixin:
-            above.append(cls.__bases__[0])
-        module.__class__ = cls.__bases__[1]
-    for outer in reversed(above):
-        mix(module, outer)
 
 
 # ---------------------------------------------------------------- checks
@@ -341,11 +305,11 @@ def set_lean_layers(model: nn.Module, on: bool) -> nn.Module:
         raise TypeError(f"on must be True or False; got {type(on).__name__} {on!r}")
     if on:
         for module, mixin in _plan(model):
-            _mix(module, mixin)
+            mix(module, mixin, "Lean")
     else:
         for module in list(model.modules()):
             for mixin in LEAN_MIXINS:
-                _unmix(module, mixin)
+                unmix(module, mixin)
     return model
 
 

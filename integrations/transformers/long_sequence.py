@@ -44,8 +44,9 @@ from ring_sp.validation import check_head_chunks
 from .lean_layers import check_lean_layers, set_lean_layers
 from .loss import loss_reduction
 # the modules the step rewrites; GATED_MLPS and PLAIN_HEADS are re-exported
+from .module_classes import mix, unmix
 from .tiled_modules import (GATED_MLPS, PLAIN_HEADS, LossRequest, TiledGatedMLP, TiledHead, check_head, check_mlp,
-                            decoder_layers, decoder_mlps, mix, unmix)
+                            decoder_layers, decoder_mlps)
 
 
 @dataclass(frozen=True)
@@ -117,13 +118,15 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
         _check_checkpointing(module)
     # everything checked: now change the modules
     for _, mlp in mlps:
-        mix(mlp, TiledGatedMLP)
+        mix(mlp, TiledGatedMLP, "Tiled")
         mlp.ring_sp_tile_tokens = tile
     for sub in module.modules():  # switched off again: back to the HF classes
-        if (isinstance(sub, TiledGatedMLP) and not tiled_mlp) or (isinstance(sub, TiledHead) and not tiled_loss):
-            unmix(sub)
+        if not tiled_mlp:
+            unmix(sub, TiledGatedMLP)
+        if not tiled_loss:
+            unmix(sub, TiledHead)
     if head is not None:
-        mix(head, TiledHead)
+        mix(head, TiledHead, "Tiled")
     set_lean_layers(module, bool(norms))
     for layer in decoder_layers(module):  # read by the ring_sp attention interface (register())
         attention = getattr(layer, "self_attn", None)

@@ -2,7 +2,7 @@
 
 Which classes ring_sp knows (:data:`GATED_MLPS`, :data:`PLAIN_HEADS`), the structural checks
 that refuse any other (an error naming the module and the switch to turn off), and the
-mixins that give a known module its tiled forward: :class:`TiledGatedMLP` (the MLP over
+mixins that give a known module its tiled forward (switched in by :mod:`.module_classes`): :class:`TiledGatedMLP` (the MLP over
 token tiles, :func:`ring_sp.tiling.tiled_map`) and :class:`TiledHead` (inside
 :func:`..long_sequence.model_loss`, the LM head returns the tiled loss sum,
 :func:`ring_sp.tiling.tiled_linear_cross_entropy`). :func:`mix` / :func:`unmix` switch a
@@ -19,6 +19,8 @@ from torch import nn
 
 from ring_sp.shapes import GATED_MLP_TILE_TENSORS
 from ring_sp.tiling import rowwise_origin, tiled_linear_cross_entropy, tiled_map
+
+from .module_classes import hf_class
 
 # MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (transformers 5.18)
 GATED_MLPS = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP",
@@ -68,7 +70,7 @@ class TiledGatedMLP:
 
 def check_mlp(name: str, mlp: nn.Module) -> None:
     """Raise unless ``mlp`` is a gated MLP this module knows (by class and structure)."""
-    cls = getattr(type(mlp), "ring_sp_hf_class", type(mlp)).__name__  # a lean MLP names its HF class
+    cls = hf_class(mlp).__name__  # a lean MLP names its HF class
     if isinstance(mlp, TiledGatedMLP):
         return
     if cls in _MOE_MLPS:
@@ -91,25 +93,6 @@ def decoder_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
                              f"pass tiled_mlp=False")
         found.append((f"model.base_model.layers[{i}].mlp", mlp))
     return found
-
-
-_MIXED: dict[tuple[type, type], type] = {}
-
-
-def mix(module: nn.Module, mixin: type) -> None:
-    """Give ``module`` the class ``mixin + its class`` (one class per pair, so copies and isinstance work)."""
-    cls = type(module)
-    if isinstance(module, mixin):
-        return
-    key = (mixin, cls)
-    if key not in _MIXED:
-        _MIXED[key] = type(f"RingSPTiled{cls.__name__}", (mixin, cls), {"__module__": __name__})
-    module.__class__ = _MIXED[key]
-
-
-def unmix(module: nn.Module) -> None:
-    """Undo :func:`mix`: the class it was built from (``mixin + cls`` -> ``cls``)."""
-    module.__class__ = module.__class__.__bases__[1]
 
 
 # ---------------------------------------------------------------- tiled head + loss

@@ -234,12 +234,14 @@ class _FakeGroup:
         return self._size
 
 
-@pytest.mark.parametrize("interleaved,percent,layout", [(False, 1.0, "zigzag"), (True, 0.5, "zigzag"),
-                                                        (False, 1.0, "document_zigzag")])
-def test_layout_rope_equals_megatrons(monkeypatch, interleaved: bool, percent: float, layout: str) -> None:
+@pytest.mark.parametrize("interleaved,percent,layout,factor", [(False, 1.0, "zigzag", None), (True, 0.5, "zigzag", 4.0),
+                                                               (False, 1.0, "document_zigzag", None)])
+def test_layout_rope_equals_megatrons(monkeypatch, interleaved: bool, percent: float, layout: str,
+                                      factor: float | None) -> None:
     """Megatron's own RotaryEmbedding.forward (its two CUDA calls mocked to stay on CPU)
-    and LayoutRotaryEmbedding(zigzag) give every CP rank bitwise the same angles; so does
-    document_zigzag on an unpacked batch (one document)."""
+    and LayoutRotaryEmbedding(zigzag) give every CP rank bitwise the same angles (computed for
+    the rank's own positions only, no table of every position); so does document_zigzag on an
+    unpacked batch (one document); with a sequence-length interpolation factor too."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     real_tensor = torch.tensor
@@ -249,7 +251,7 @@ def test_layout_rope_equals_megatrons(monkeypatch, interleaved: bool, percent: f
         for rank in range(cp):
             group = _FakeGroup(rank, cp)
             rotary = RotaryEmbedding(16, percent, rotary_interleaved=interleaved, use_cpu_initialization=True,
-                                     cp_group=group)
+                                     cp_group=group, seq_len_interpolation_factor=factor)
             ours = rsm.LayoutRotaryEmbedding(rotary, layout=layout, cp_group=group, device="cpu")(SEQ)
             with rsm.ddp_buffers_on_cpu():  # get_emb moves inv_freq to torch.cuda.current_device()
                 theirs = rotary(SEQ)

@@ -66,7 +66,7 @@ class LayoutRotaryEmbedding(nn.Module):
         self.cp_group = cp_group
         self.device = torch.device(device)
         self.rotates_documents = False  # True: THD tokens are rotated by the core attention
-        self._last: tuple[tuple[int, int], torch.Tensor] | None = None  # one length per run: cache it
+        self._last: tuple[tuple, torch.Tensor] | None = None  # one length per run: cache it
         self._last_documents: tuple[tuple, torch.Tensor] | None = None
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
@@ -79,31 +79,39 @@ class LayoutRotaryEmbedding(nn.Module):
             check_thd_rope_documents(params, group.size())
         return self.rotary.get_rotary_seq_len(*args, **kwargs)
 
-    def _table(self, length: int, offset: int = 0) -> torch.Tensor:
-        """Angles of positions ``offset .. offset + length - 1``: ``[length, rotary_dim]`` (cached)."""
-        if self._last is not None and self._last[0] == (length, offset):
-            return self._last[1]
+    def _angles(self, positions: torch.Tensor | None, length: int, offset: int = 0) -> torch.Tensor:
+        """Angles ``[len(positions), rotary_dim]`` of ``positions + offset`` (None: ``0 .. length - 1``),
+        row for row Megatron's ``get_freqs_non_repeated`` table at those positions, without the table:
+        a rank computes its own N / P rows only."""
         rotary = self.rotary
         if rotary.inv_freq.device != self.device:
             rotary.inv_freq = rotary.inv_freq.to(self.device)
-        freqs = rotary.get_freqs_non_repeated(length, offset)  # [N, rotary_dim / 2]
+        if positions is None:
+            freqs = rotary.get_freqs_non_repeated(length, offset)  # [length, rotary_dim / 2]
+        else:  # Megatron's ops on this rank's positions (exact integers in fp32 below 2^24)
+            seq = positions.to(device=self.device, dtype=rotary.inv_freq.dtype) + offset
+            if rotary.seq_len_interpolation_factor is not None:
+                seq *= 1 / rotary.seq_len_interpolation_factor
+            freqs = torch.outer(seq, rotary.inv_freq)
         if rotary.rotary_interleaved:
-            emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)  # f0 f0 f1 f1 ...
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)  # f0 f1 ... f0 f1 ...
-        self._last = ((length, offset), emb)
-        return emb
+            return torch.stack((freqs, freqs), dim=-1).flatten(-2)  # f0 f0 f1 f1 ...
+        return torch.cat((freqs, freqs), dim=-1)  # f0 f1 ... f0 f1 ...
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
                 cp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor | None:
         if packed_seq and self.rotates_documents:
             return None  # the ring_sp core attention rotates each token by its document position
-        emb = self._table(max_seq_len, offset)
         group = cp_group if cp_group is not None else self.cp_group
-        if group is not None and group.size() > 1 and not packed_seq:
-            positions = rank_positions(unpacked_layout(self.layout), group.size(), max_seq_len, group.rank())
-            emb = emb.index_select(0, positions.to(emb.device))
-        return emb[:, None, None, :]
+        sharded = group is not None and group.size() > 1 and not packed_seq
+        key = (max_seq_len, offset, packed_seq, group.size() if sharded else 1, group.rank() if sharded else 0)
+        if self._last is not None and self._last[0] == key:  # one length per run: every layer asks alike
+            return self._last[1]
+        # packed (THD) for Megatron's own RoPE: positions 0 .. max_seq_len - 1, which it slices per document
+        positions = (rank_positions(unpacked_layout(self.layout), group.size(), max_seq_len, group.rank())
+                     if sharded else None)
+        emb = self._angles(positions, max_seq_len, offset)[:, None, None, :]
+        self._last = (key, emb)
+        return emb
 
     def document_angles(self, cu_seqlens: Boundaries, layout: str, sp_size: int, sp_rank: int) -> torch.Tensor:
         """The angles ``[N / sp_size, 1, 1, rotary_dim]`` of this rank's THD shard: token j of
@@ -115,8 +123,7 @@ class LayoutRotaryEmbedding(nn.Module):
         if self._last_documents is not None and self._last_documents[0] == key:
             return self._last_documents[1]
         positions = rank_positions(layout, sp_size, cu_seqlens[-1], sp_rank, cu_seqlens, in_document=True)
-        longest = max(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
-        angles = self._table(longest).index_select(0, positions.to(self.device))[:, None, None, :]
+        angles = self._angles(positions, len(positions))[:, None, None, :]
         self._last_documents = (key, angles)
         return angles
 

@@ -73,6 +73,7 @@ class RowwiseOrigin:
     source: torch.Tensor
     fn: Callable[..., torch.Tensor]
     params: Callable[[], Sequence[torch.Tensor | None]]
+    source_version: int  # source changed in place since: fn(source) is no longer the tensor
 
 
 _ORIGIN = "rowwise_origin"
@@ -82,14 +83,16 @@ def mark_rowwise_origin(tensor: torch.Tensor, source: torch.Tensor, fn: Callable
                         params: Callable[[], Sequence[torch.Tensor | None]]) -> torch.Tensor:
     """Record that ``tensor`` ``= fn(source, *params())`` row by row (same shape); returns it.
     A :mod:`ring_sp.tensor_tags` tag: aliases (ZeRO-3's wrapped module outputs) carry it too."""
-    return tag(tensor, _ORIGIN, RowwiseOrigin(source, fn, params))
+    return tag(tensor, _ORIGIN, RowwiseOrigin(source, fn, params, source._version))
 
 
 def rowwise_origin(tensor: torch.Tensor) -> RowwiseOrigin | None:
-    """The :class:`RowwiseOrigin` of ``tensor`` or an alias of it, if it still holds (same elements,
-    not changed in place since), else None."""
+    """The :class:`RowwiseOrigin` of ``tensor`` or an alias of it, if it still holds (neither the
+    tensor nor its source changed in place since), else None."""
     origin = tagged(tensor, _ORIGIN)
-    return origin if origin is not None and origin.source.shape == tensor.shape else None
+    if origin is None or origin.source.shape != tensor.shape or origin.source._version != origin.source_version:
+        return None
+    return origin
 
 
 def _accumulator(param: torch.Tensor) -> torch.Tensor:

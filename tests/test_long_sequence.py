@@ -337,6 +337,9 @@ def test_tiled_mlp_keeps_its_norms_input_not_the_normalised_rows(monkeypatch, ar
     assert rowwise_origin(y) is not None
     y.add_(1)
     assert rowwise_origin(y) is None
+    y = mark_rowwise_origin(x * 2, x, lambda rows: rows * 2, lambda: ())
+    x.add_(1)  # the source changed: fn(source) is no longer y
+    assert rowwise_origin(y) is None
 
 
 def _act_rows(model) -> list[list[int]]:

@@ -22,6 +22,11 @@ def _view(tensor: torch.Tensor) -> tuple:
     return tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
 
 
+def _version(tensor: torch.Tensor) -> int | None:
+    """The version counter; None for an inference tensor, which has none (and no backward)."""
+    return None if tensor.is_inference() else tensor._version
+
+
 def tag(tensor: torch.Tensor, key: str, value: Any) -> torch.Tensor:
     """Attach ``value`` under ``key`` to ``tensor`` and its aliases, as it is now; returns ``tensor``."""
     storage = tensor.untyped_storage()
@@ -29,15 +34,15 @@ def tag(tensor: torch.Tensor, key: str, value: Any) -> torch.Tensor:
     if tags is None:
         tags = {}
         setattr(storage, _ATTR, tags)
-    tags[key, _view(tensor)] = (tensor._version, value)
+    tags[key, _view(tensor)] = (_version(tensor), value)
     return tensor
 
 
 def tagged(tensor: torch.Tensor, key: str) -> Any:
     """The value :func:`tag` attached under ``key`` to ``tensor`` or an alias of it, None if there is
-    none or the elements were changed in place since."""
+    none or the elements were changed in place since (not checked for inference tensors)."""
     found = getattr(tensor.untyped_storage(), _ATTR, {}).get((key, _view(tensor)))
-    if found is None or found[0] != tensor._version:
+    if found is None or found[0] != _version(tensor):
         return None
     return found[1]
 

@@ -83,12 +83,17 @@ def mark_rowwise_origin(tensor: torch.Tensor, source: torch.Tensor, fn: Callable
                         params: Callable[[], Sequence[torch.Tensor | None]]) -> torch.Tensor:
     """Record that ``tensor`` ``= fn(source, *params())`` row by row (same shape); returns it.
     A :mod:`ring_sp.tensor_tags` tag: aliases (ZeRO-3's wrapped module outputs) carry it too."""
+    if tensor.is_inference():  # nothing is kept for a backward: nothing to save
+        return tensor
     return tag(tensor, _ORIGIN, RowwiseOrigin(source, fn, params, source._version))
 
 
 def rowwise_origin(tensor: torch.Tensor) -> RowwiseOrigin | None:
     """The :class:`RowwiseOrigin` of ``tensor`` or an alias of it, if it still holds (neither the
-    tensor nor its source changed in place since), else None."""
+    tensor nor its source changed in place since), else None; None for inference tensors (no
+    version counters to tell, and nothing kept to save)."""
+    if tensor.is_inference():
+        return None
     origin = tagged(tensor, _ORIGIN)
     if origin is None or origin.source.shape != tensor.shape or origin.source._version != origin.source_version:
         return None

@@ -342,6 +342,21 @@ def test_tiled_mlp_keeps_its_norms_input_not_the_normalised_rows(monkeypatch, ar
     assert rowwise_origin(y) is None
 
 
+@needs_transformers
+def test_lean_tiled_model_runs_under_inference_mode() -> None:
+    """Inference tensors have no version counter: the lean RoPE's and norm's tags still work (no
+    in-place check, no backward), and the logits equal transformers' own."""
+    import ring_sp.integrations.transformers as rsp_hf
+    from test_transformers import _global_batch
+
+    reference = _hf("llama")
+    model = rsp_hf.enable_long_sequence(copy.deepcopy(reference), tile_tokens=8)
+    ids = _global_batch(False, rows=1, seq=32)["input_ids"]
+    with torch.inference_mode():
+        got, want = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+
+
 def _act_rows(model) -> list[list[int]]:
     """Per layer, the tokens of every call of its MLP's activation (one call per MLP forward of a tile)."""
     calls: list[list[int]] = [[] for _ in model.model.layers]

@@ -279,3 +279,18 @@ def test_int32_index_flag_at_the_threshold() -> None:
                                                              "Liger RMSNorm/RoPE before Liger-Kernel#804")
     assert at(sm.long_sequence(), 2**19, 8).kernels == ("flash-attn 2 (ring_sp's flash_attn backend)",)
     assert not at(sm.long_sequence(), 8 * 2**19 - 1, 1).flagged and at(sm.long_sequence(), 8 * 2**19, 1).flagged
+
+
+def test_ulysses_output_is_kept_twice_until_o_projs_backward() -> None:
+    """With Ulysses the ring keeps the head-layout output and o_proj the sequence-layout copy the
+    all-to-all made (the measured U2xR2 step grows 2 KiB per local token more than U1xR4 on the
+    length benchmark's 2-layer fp32 model: one [n, 256] fp32 output per layer); without Ulysses
+    they are one tensor. o_proj's backward frees its copy before the attention's backward."""
+    from ring_sp.plan.layer_memory import layer_kept, o_proj_input_bytes
+
+    n = 4096
+    lean = sm.Training(dtype="bf16", tiled_mlp=True, lean_layers=True)
+    assert o_proj_input_bytes(LLAMA_8B, lean, n=n, ulysses=1) == 0
+    assert o_proj_input_bytes(LLAMA_8B, lean, n=n, ulysses=8) == 2 * n * 4096
+    ring, ulysses = (layer_kept(LLAMA_8B, lean, n=n, ulysses=u, ring=8 // u) for u in (1, 8))
+    assert ulysses - ring == 2 * n * 4096  # 8 KV heads over U = 8: k / v the same bytes in either layout

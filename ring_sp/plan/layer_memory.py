@@ -98,11 +98,20 @@ def alst_attention_memory(model: Transformer, *, n: int, ulysses: int, dtype: st
     return kept, working
 
 
+def o_proj_input_bytes(model: Transformer, training: Training, *, n: int, ulysses: int) -> float:
+    """Bytes o_proj keeps of ring_sp's attention output beyond what the attention keeps: with
+    Ulysses the sequence-layout copy (the all-to-all's result) beside the head-layout one the
+    ring keeps; without it the two are the same tensor (0). Freed by o_proj's backward, before
+    the attention's backward runs."""
+    return dtype_bytes(training.dtype)[0] * n * model.q_width if ulysses > 1 else 0
+
+
 def ring_sp_attention(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int
                       ) -> tuple[float, float]:
     """(kept, backward working) bytes of ring_sp's attention on this rank, q / k / v in sequence
     layout included. Unchunked: :func:`attention_memory` (with Ulysses the head-layout q, packed
-    k / v, out and lse are kept; without it the ring keeps q, k, v themselves). In ``k`` head
+    k / v, out and lse are kept, and o_proj keeps the sequence-layout out; without it the ring
+    keeps q, k, v themselves, its out is o_proj's input). In ``k`` head
     chunks: the sequence-layout q, k, v and out (o_proj's input, the same tensor) and lse are
     kept once; the backward fills whole sequence-layout dq, dk, dv one chunk at a time, and the
     largest chunk's share of the unchunked working set exists at once, plus its head-layout
@@ -113,14 +122,15 @@ def ring_sp_attention(model: Transformer, training: Training, *, n: int, ulysses
     mem = attention_memory(ulysses=ulysses, ring=ring, batch=1, local_len=n, heads=model.heads,
                            kv_heads=model.kv_heads, head_dim=model.head_dim, dtype=training.dtype)
     chunks = head_chunk_count(model, training, ulysses, n=n, ring=ring)
+    o_proj_input = o_proj_input_bytes(model, training, n=n, ulysses=ulysses)
     if chunks == 1:
         # without Ulysses the ring keeps q, k, v (rotation keeps no input); with it the
         # all-to-all keeps nothing and the head-layout copies are in mem.kept
-        return (e * n * (q + 2 * kv) if ulysses == 1 else 0) + mem.kept, mem.working
+        return (e * n * (q + 2 * kv) if ulysses == 1 else o_proj_input) + mem.kept, mem.working
     m = kv_heads_per_rank(model.kv_heads, ulysses)
     share = math.ceil(m / chunks) / m  # the largest chunk's share of the rank's heads
     kv_shard = 2 * n * ulysses * m * model.head_dim  # packed [k; v] in head layout, all chunks
-    kept = e * n * (2 * q + 2 * kv) + n * model.heads * acc
+    kept = e * n * (2 * q + 2 * kv) + n * model.heads * acc + o_proj_input
     per_chunk = mem.working + e * (3 * n * q + (kv_shard if ulysses > 1 else 0))
     return kept, e * n * (q + 2 * kv) + share * per_chunk
 
@@ -224,9 +234,11 @@ def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulys
     if mlp_renormalises(training):  # the tile's norm again, under autograd: its fp32 rows and normalised rows
         mlp += 2 * FP32 * h * tile
     att = attention(model, training, n=n, ulysses=ulysses, ring=ring)[1]
+    if training.library == "ring_sp":  # o_proj's backward has freed its input by then
+        att -= o_proj_input_bytes(model, training, n=n, ulysses=ulysses)
     return 2 * n * e * h + recompute + max(mlp, att)
 
 
 __all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "attention", "head_chunk_count", "layer_backward_phase",
            "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_kept", "mlp_renormalises", "mlp_tile",
-           "norm_kept", "pieces", "ring_sp_attention"]
+           "norm_kept", "o_proj_input_bytes", "pieces", "ring_sp_attention"]

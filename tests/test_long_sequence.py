@@ -331,6 +331,9 @@ def test_tiled_mlp_keeps_its_norms_input_not_the_normalised_rows(monkeypatch, ar
         loss.backward()
     assert kept[True] == [(True, False)] * len(kept[True]), kept
     assert all(out for _, out in kept[False]), kept
+    # only the norm that feeds the MLP says where its output came from (the final norm's output,
+    # which callers may hold, does not keep its input alive)
+    assert rowwise_origin(model.model.norm(torch.randn(2, 3, model.config.hidden_size))) is None
     # changed in place after the norm: no longer the norm's rows, so no origin is claimed
     x = torch.randn(4, 8)
     y = mark_rowwise_origin(x * 2, x, lambda rows: rows * 2, lambda: ())

@@ -85,7 +85,9 @@ class LeanRMSNorm:
         eps = self.eps if hasattr(self, "eps") else self.variance_epsilon
         variant = LEAN_NORMS[self.ring_sp_hf_class.__name__]
         out = rms_norm(hidden_states, self.weight, eps, variant)
-        # a tiled MLP fed by this norm keeps hidden_states and normalises its tiles again
+        if not self.__dict__.get("ring_sp_feeds_mlp", False):
+            return out
+        # the decoder layer's MLP, if tiled, keeps hidden_states and normalises its tiles again
         return mark_rowwise_origin(out, hidden_states, lambda rows, weight: rms_norm_rows(rows, weight, eps, variant),
                                    lambda: (self.weight,))
 
@@ -262,6 +264,17 @@ def _check_rotary(name: str, rope: Any) -> None:
     _check_forward(name, rope)
 
 
+def _mlp_input_norm(layer: nn.Module) -> nn.Module | None:
+    """The decoder layer's norm whose output is its MLP's input: Gemma 2/3's pre-feedforward
+    norm, Llama-style layers' post-attention norm; None for OLMo 2's post-norm layers (their
+    MLP takes the residual itself)."""
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        return layer.pre_feedforward_layernorm
+    if hasattr(layer, "post_feedforward_layernorm"):
+        return None
+    return getattr(layer, "post_attention_layernorm", None)
+
+
 def _plan(model: nn.Module) -> list[tuple[nn.Module, type]]:
     """Every (module, lean mixin) of ``model`` to switch; raises on anything it does not know."""
     plan = []
@@ -306,6 +319,11 @@ def set_lean_layers(model: nn.Module, on: bool) -> nn.Module:
     if on:
         for module, mixin in _plan(model):
             mix(module, mixin, "Lean")
+        layers = getattr(getattr(model, "base_model", model), "layers", None)
+        for layer in layers if isinstance(layers, nn.ModuleList) else []:
+            norm = _mlp_input_norm(layer)
+            if isinstance(norm, LeanRMSNorm):  # a tiled MLP keeps this norm's input instead of its output
+                norm.ring_sp_feeds_mlp = True
     else:
         for module in list(model.modules()):
             for mixin in LEAN_MIXINS:

@@ -414,32 +414,11 @@ def test_head_and_mlp_modules_called_once_per_pass() -> None:
 
 # ---------------------------------------------------------------- checkpoint offload (ring_sp/offload.py)
 
-class RecordingMover:
-    """A host/device seam that copies (so nothing is shared) and records what moves, when."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, int]] = []
-        self.shapes: list[tuple[int, ...]] = []
-
-    def to_host(self, tensor: torch.Tensor) -> int:
-        self.shapes.append(tuple(tensor.shape))
-        self.log.append(("to_host", len(self.shapes) - 1))
-        self._kept = getattr(self, "_kept", []) + [tensor.clone()]
-        return len(self.shapes) - 1
-
-    def to_device(self, handle: int) -> int:
-        self.log.append(("to_device", handle))
-        return handle
-
-    def wait(self, pending: int) -> torch.Tensor:
-        self.log.append(("wait", pending))
-        return self._kept[pending].clone()
-
-
 @needs_transformers
 def test_offloaded_checkpoints_move_each_layer_input_and_prefetch_one_layer_ahead() -> None:
     import ring_sp.integrations.transformers as rsp_hf
     from ring_sp.offload import OffloadedCheckpoint
+    from test_offload_prefetch import RecordingMover
     from test_transformers import _global_batch
 
     batch = _global_batch(True)

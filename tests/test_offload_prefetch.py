@@ -18,14 +18,17 @@ LAYERS = 3
 
 
 class RecordingMover:
-    """Keeps copies on the host side (nothing shared) and records ``(event, handle)`` in order."""
+    """Keeps copies on the host side (nothing shared) and records ``(event, handle)`` in order,
+    and the shape of each tensor sent to the host."""
 
     def __init__(self) -> None:
         self.log: list[tuple[str, int]] = []
         self.kept: list[torch.Tensor] = []
+        self.shapes: list[tuple[int, ...]] = []
 
     def to_host(self, tensor: torch.Tensor) -> int:
         self.kept.append(tensor.clone())
+        self.shapes.append(tuple(tensor.shape))
         self.log.append(("to_host", len(self.kept) - 1))
         return len(self.kept) - 1
 

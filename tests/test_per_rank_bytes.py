@@ -151,19 +151,6 @@ def test_rank_positions_are_the_layout_row_and_document_positions() -> None:
         rank_positions("zigzag", P, 4096, 8)
 
 
-class _Group:
-    """The rank and size :class:`LayoutRotaryEmbedding` reads of a CP group."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
-
 def test_megatron_rope_keeps_a_ranks_angles_only() -> None:
     """ring_sp's Megatron RoPE (unpacked and per document) computes and caches the angles of the
     rank's own positions: 1/8 of one rank's, no table of every global position."""
@@ -171,9 +158,10 @@ def test_megatron_rope_keeps_a_ranks_angles_only() -> None:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     from ring_sp.integrations.megatron.rope import LayoutRotaryEmbedding
+    from test_megatron import _FakeGroup
 
     def rope_bytes(world_size: int, rank: int) -> int:
-        group = _Group(rank, world_size)
+        group = _FakeGroup(rank, world_size)
         rope = LayoutRotaryEmbedding(RotaryEmbedding(16, 1.0, use_cpu_initialization=True, cp_group=group),
                                      layout="zigzag", cp_group=group, device="cpu")
         angles = rope(N)

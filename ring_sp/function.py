@@ -136,7 +136,7 @@ class InputsToHeads(torch.autograd.Function):
                 del dq_c
                 recv = exchange(send, group, "ulysses_a2a_dq")
                 del send
-                dq = seq_from_recv(recv, *_whole(dq, ctx.shapes[0], recv, chunks), *chunk)
+                dq = seq_from_recv(recv, _filled(dq, ctx.shapes[:1], recv, chunks), *chunk)
                 del recv
             if dk_c is None:
                 continue
@@ -146,23 +146,25 @@ class InputsToHeads(torch.autograd.Function):
             del dk_c, dv_c
             recv = exchange(send, group, "ulysses_a2a_dkv")
             del send
-            if chunks == 1:
-                dk, dv = kv_grads_from_recv(recv, ctx.kv_heads, ctx.head_dim)
-                dk, dv = dk.to(ctx.dtype), dv.to(ctx.dtype)
-            else:
-                if dk is None:
-                    dk, dv = (recv.new_empty(shape) for shape in ctx.shapes[1:])
-                kv_grads_from_recv(recv, ctx.kv_heads, ctx.head_dim, (dk, dv), *chunk)
+            into = _filled(None if dk is None else (dk, dv), ctx.shapes[1:], recv, chunks)
+            dk, dv = kv_grads_from_recv(recv, ctx.kv_heads, ctx.head_dim, into, *chunk)
             del recv
+        if dk is not None:  # replicated KV heads' float32 sums: the one rounding (a no-op otherwise)
+            dk, dv = dk.to(ctx.dtype), dv.to(ctx.dtype)
         return dq, dk, dv, None, None, None
 
 
-def _whole(into: torch.Tensor | None, shape: torch.Size, recv: torch.Tensor, chunks: int) -> tuple:
-    """:func:`seq_from_recv`'s ``into``: None unchunked (it allocates), else the gradient the
-    chunks fill (allocated by the first)."""
+def _filled(into: torch.Tensor | tuple[torch.Tensor, ...] | None, shapes: tuple[torch.Size, ...], recv: torch.Tensor,
+            chunks: int) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+    """Where a chunk's gradients go: None unchunked (the receiving function allocates), else the
+    whole gradients ``into`` the chunks fill (allocated by the first, in ``recv``'s dtype); one
+    tensor for one shape, a tuple for several."""
     if chunks == 1:
-        return (None,)
-    return (recv.new_empty(shape) if into is None else into,)
+        return None
+    if into is None:
+        into = tuple(recv.new_empty(shape) for shape in shapes)
+        return into[0] if len(shapes) == 1 else into
+    return into
 
 
 class OutputToSequence(torch.autograd.Function):
@@ -283,11 +285,7 @@ def _heads(x: torch.Tensor, chunk: Chunk, dim: int = 2) -> torch.Tensor:
 
 def _sinks(sinks: torch.Tensor | None, chunk: Chunk) -> torch.Tensor | None:
     """The chunk's share of this rank's sinks (its query heads, in order); a differentiable view."""
-    if sinks is None or chunk[1] == 1:
-        return sinks
-    c, chunks = chunk
-    size = sinks.shape[0] // chunks
-    return sinks.narrow(0, c * size, size)
+    return sinks if sinks is None or chunk[1] == 1 else _heads(sinks, chunk, dim=0)
 
 
 def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses: UlyssesSpec,

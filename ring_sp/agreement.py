@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from .layouts import LAYOUTS
-from .validation import BACKENDS, HEAD_CHUNKS_AUTO, KV_EXCHANGES
+from .shapes import HEAD_CHUNKS_AUTO
+from .validation import BACKENDS, KV_EXCHANGES
 
 ENV_FLAG = "RING_SP_VALIDATE"
 WIDTH = 28  # the values of every signature (padded): every agreement on a group exchanges one size

@@ -36,11 +36,11 @@ from .recompute import plan as recompute_plan
 from .recompute import reuse_requested
 from .ring import RingSpec, ring_comm_for
 from .schedule_cache import schedule_cache
-from .shapes import check_ulysses_heads
+from .shapes import HEAD_CHUNKS_AUTO, check_ulysses_heads
 from .topology import SequenceParallelTopology
-from .validation import (HEAD_CHUNKS_AUTO, check_cu_seqlens, check_group, check_head_chunk_split, check_head_chunks,
-                         check_kv_exchange, check_local_length, check_options, check_qkv, check_sinks,
-                         check_sliding_window, resolve_scale)
+from .validation import (check_cu_seqlens, check_group, check_head_chunk_split, check_head_chunks, check_kv_exchange,
+                         check_local_length, check_options, check_qkv, check_sinks, check_sliding_window,
+                         resolve_scale)
 
 
 def _size(group: dist.ProcessGroup | None) -> int:

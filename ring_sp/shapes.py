@@ -11,7 +11,8 @@ the runtime and still count exactly what the runtime allocates and sends:
 * the tokens per tile of a tiled MLP or loss when the library sizes them
   (:func:`auto_tile_tokens`);
 * the pinned host blocks of an offloaded checkpoint (:func:`pinned_piece_sizes`);
-* whether an offloaded checkpoint is prefetched a layer ahead (:func:`prefetch_checkpoint`).
+* whether an offloaded checkpoint is prefetched a layer ahead (:func:`prefetch_checkpoint`);
+* the ``head_chunks="auto"`` value (:data:`HEAD_CHUNKS_AUTO`).
 """
 
 from __future__ import annotations
@@ -107,3 +108,8 @@ def prefetch_checkpoint(checkpoint_bytes: float, device_bytes: float | None) -> 
     it. ``device_bytes`` None (unknown, or not a GPU): prefetch. The runtime
     (:class:`ring_sp.offload.OffloadedCheckpoint`) and the planner both decide here."""
     return device_bytes is None or checkpoint_bytes * PREFETCH_SHARE <= device_bytes
+
+
+HEAD_CHUNKS_AUTO = "auto"
+"""``head_chunks="auto"``: :func:`ring_sp.plan.head_chunk_choice.choose_head_chunks` picks the
+count, for the runtime (:mod:`ring_sp.attention`) and the planner alike."""

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .layouts import LAYOUTS
-from .shapes import kv_heads_per_rank
+from .shapes import HEAD_CHUNKS_AUTO, kv_heads_per_rank
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # The local attention backends a call may name (ring_sp.kernels runs them).
@@ -166,9 +166,6 @@ def check_kv_exchange(kv_exchange: object) -> None:
             f"group (the default), 'all_gather' gathers every KV shard once and reduce-scatters dK/dV, 'auto' lets "
             f"the planner (ring_sp.planner.choose_kv_exchange) pick"
         )
-
-
-HEAD_CHUNKS_AUTO = "auto"  # head_chunks="auto": ring_sp.plan.head_chunk_choice picks the count
 
 
 def check_head_chunks(head_chunks: object) -> None:

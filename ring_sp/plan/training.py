@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..shapes import prefetch_checkpoint
+from ..shapes import HEAD_CHUNKS_AUTO, prefetch_checkpoint
 from .request import PlanError, dtype_bytes
-
-HEAD_CHUNKS_AUTO = "auto"
 
 
 @dataclass(frozen=True)

@@ -276,13 +276,6 @@ def max_seq_len_request(args: argparse.Namespace, model: sm.Transformer) -> long
                            recipes, args.ulysses)
 
 
-def render_max_seq_len(args: argparse.Namespace, model: sm.Transformer) -> str:
-    """The longest sequence per library and U x R, with the breakdown, the host memory per node,
-    the binding limit, the head chunks and the int32-index check (:mod:`ring_sp.plan.longest`)."""
-    req = max_seq_len_request(args, model)
-    return longest.render(req, longest.rows(req))
-
-
 def _as_json(result: Plan, step: sm.StepMemory | None = None) -> str:
     def candidate(c: Candidate) -> dict:
         return {**asdict(c), "layer_s": c.layer_s, "total_bytes": c.total_bytes,

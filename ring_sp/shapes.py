@@ -12,7 +12,8 @@ the runtime and still count exactly what the runtime allocates and sends:
   (:func:`auto_tile_tokens`);
 * the pinned host blocks of an offloaded checkpoint (:func:`pinned_piece_sizes`);
 * whether an offloaded checkpoint is prefetched a layer ahead (:func:`prefetch_checkpoint`);
-* the ``head_chunks="auto"`` value (:data:`HEAD_CHUNKS_AUTO`).
+* the ``head_chunks="auto"`` value (:data:`HEAD_CHUNKS_AUTO`) and the valid counts
+  (:func:`head_chunk_options`, from :func:`divisors`).
 """
 
 from __future__ import annotations
@@ -113,3 +114,16 @@ def prefetch_checkpoint(checkpoint_bytes: float, device_bytes: float | None) -> 
 HEAD_CHUNKS_AUTO = "auto"
 """``head_chunks="auto"``: :func:`ring_sp.plan.head_chunk_choice.choose_head_chunks` picks the
 count, for the runtime (:mod:`ring_sp.attention`) and the planner alike."""
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, increasing (valid sizes that split ``n`` evenly)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def head_chunk_options(kv_heads: int, ulysses_size: int) -> list[int]:
+    """Every valid ``head_chunks``: the divisors of the KV heads a rank holds (:func:`kv_heads_per_rank`;
+    only 1 when they are replicated, ``ulysses_size > kv_heads``): a chunk holds whole GQA groups."""
+    if kv_heads % ulysses_size != 0:
+        return [1]
+    return divisors(kv_heads_per_rank(kv_heads, ulysses_size))

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .layouts import LAYOUTS
-from .shapes import HEAD_CHUNKS_AUTO, kv_heads_per_rank
+from .shapes import HEAD_CHUNKS_AUTO, divisors, kv_heads_per_rank
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # The local attention backends a call may name (ring_sp.kernels runs them).
@@ -201,8 +201,7 @@ def check_head_chunk_split(chunks: int, heads: int, kv_heads: int, ulysses_size:
             f"GQA groups (its KV heads and the query heads that read them). Use at most {m}, or 'auto'"
         )
     if m % chunks != 0:
-        divisors = [c for c in range(1, m + 1) if m % c == 0]
         raise ValueError(
             f"head_chunks={chunks} does not split the {m} KV heads a rank holds ({where}) into equal chunks of whole "
-            f"GQA groups (KV heads and the query heads that read them); use one of {divisors}, or 'auto'"
+            f"GQA groups (KV heads and the query heads that read them); use one of {divisors(m)}, or 'auto'"
         )

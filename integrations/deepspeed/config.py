@@ -22,6 +22,7 @@ from typing import Any
 
 from ring_sp import LAYOUTS, PLACEMENTS
 from ring_sp.kernels import BACKENDS
+from ring_sp.shapes import divisors
 from ring_sp.tiling import check_tile_tokens
 from ring_sp.validation import KV_EXCHANGES, check_head_chunks
 
@@ -139,11 +140,10 @@ class RingSPConfig:
     def check_world_size(self, world_size: int) -> None:
         """Raise ``ValueError`` unless ``U * R`` divides ``world_size`` (the rest is data parallel)."""
         if world_size % self.sp_size != 0:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ValueError(
                 f"{SECTION}.ulysses_size x {SECTION}.ring_size = {self.ulysses_size} x {self.ring_size} = "
                 f"{self.sp_size} does not divide the world size {world_size}; choose sizes whose product is "
-                f"one of {divisors} (world = data_parallel x ulysses_size x ring_size)"
+                f"one of {divisors(world_size)} (world = data_parallel x ulysses_size x ring_size)"
             )
 
     def apply(self, ds_config: Mapping[str, Any], world_size: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ring_sp.kernels import BACKENDS
+from ring_sp.shapes import divisors
 from ring_sp.topology import PLACEMENTS
 from ring_sp.validation import KV_EXCHANGES
 
@@ -22,11 +23,6 @@ def unpacked_layout(layout: str) -> str:
     """The layout of a batch without document boundaries: ``document_zigzag`` of a single
     document is ``zigzag`` (what ``get_batch_on_this_cp_rank`` and Megatron's RoPE use)."""
     return "zigzag" if layout == "document_zigzag" else layout
-
-
-def divisors(n: int) -> list[int]:
-    """The positive divisors of ``n`` (for error messages that suggest valid sizes)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import functools
 
 import torch
 
-from ..shapes import kv_heads_per_rank
+from ..shapes import head_chunk_options
 from .layer_cost import attention_memory
 from .layer_time import candidate
 from .presets import nominal_cluster
@@ -52,12 +52,8 @@ MIN_KERNEL_ROWS_X_HEADS = 2**15
 
 
 def chunk_options(kv_heads: int, ulysses: int) -> list[int]:
-    """Every valid ``head_chunks``: the divisors of the KV heads a rank holds (1 when they are
-    replicated, ``ulysses > kv_heads``)."""
-    if kv_heads % ulysses != 0:
-        return [1]
-    m = kv_heads_per_rank(kv_heads, ulysses)
-    return [c for c in range(1, m + 1) if m % c == 0]
+    """Every valid ``head_chunks`` (:func:`ring_sp.shapes.head_chunk_options`)."""
+    return head_chunk_options(kv_heads, ulysses)
 
 
 def working_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int,

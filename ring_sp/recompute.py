@@ -29,8 +29,9 @@ anything else computes afresh: never a stale result. An entry is emptied when it
 used, and in any case released after its owner's backward (a node post-hook) or when its
 owner is freed (eval or an abandoned graph): the registry only holds weak references.
 
-Head chunks (:class:`ring_sp.function.HeadChunkedAttention`) keep the same bytes in one entry:
-with Ulysses each chunk's head-sharded ``out`` and ``lse``, without it the whole ``out`` and ``lse``.
+Head chunks (:mod:`ring_sp.function`: a ring node per chunk with Ulysses,
+:class:`~ring_sp.function.RingHeadChunks` without) keep the same bytes in one entry: with
+Ulysses each chunk's head-sharded ``out`` and ``lse``, without it the whole ``out`` and ``lse``.
 
 Cost: per layer, ``out`` + ``lse`` between the first forward and the backward (with
 Ulysses the head-sharded ``out``: the same bytes as the output shard), e.g. 8 heads x 64

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ring_sp.kernels as kernels
+from block_checks import check_two_key_blocks
 from cudnn_double import CudnnOps, installed, run_installed
 from dist_cases import AttnCase, check_attention_cases
 from oracle import GRAD_TOL, LSE_ATOL, OUT_TOL, assert_close, assert_lse_close, oracle_results
@@ -145,19 +146,7 @@ def test_two_key_blocks_with_global_statistics_and_the_edge_block() -> None:
     dtype = torch.bfloat16
     with installed() as ops:
         kernel = _kernel()
-        inputs = _inputs(1, 128, 256, 4, 2, 16, dtype, seed=7)
-        q, k, v, dout = inputs.values()
-        own = torch.ones(128, 128, dtype=torch.bool)
-        want = oracle_results(inputs, causal=False, scale=0.25, mask=torch.cat([own, own.tril()], 1))
-        blocks = [(slice(0, 128), False), (slice(128, 256), True)]
-        parts = [kernel.forward(q, k[:, s], v[:, s], causal=c, scale=0.25) for s, c in blocks]
-        lse = torch.logaddexp(parts[0][1], parts[1][1])
-        out = sum(o.float() * torch.exp(l - lse).transpose(1, 2).unsqueeze(-1) for o, l in parts).to(dtype)
-        lse = lse.transpose(1, 2).contiguous().transpose(1, 2)
-        grads = [kernel.backward(dout, q, k[:, s], v[:, s], out, lse, causal=c, scale=0.25) for s, c in blocks]
-        merged = (grads[0][0].double() + grads[1][0].double(), *(torch.cat([g[i] for g in grads], 1) for i in (1, 2)))
-        for got, name in zip(merged, ("dq", "dk", "dv")):
-            assert_close(name, got, want[name], GRAD_TOL[dtype])
+        check_two_key_blocks(kernel, _inputs(1, 128, 256, 4, 2, 16, dtype, seed=7), scale=0.25)
 
         inputs = _inputs(1, 128, 128, 4, 2, 16, dtype, seed=8)
         q, k, v, dout = inputs.values()
@@ -246,10 +235,14 @@ def test_op_schemas_of_this_torch_and_a_torch_without_the_lse(monkeypatch: pytes
     def old(name: str) -> dict[str, bool]:  # a forward with no compute_log_sumexp
         return {n: d for n, d in real(name).items() if n not in ("compute_log_sumexp", "attn_bias")}
 
-    monkeypatch.setattr(cudnn, "_arguments", old)
-    cudnn.schema_reason.cache_clear()
+    def newer(name: str) -> dict[str, bool]:  # a required argument the ring does not know
+        return {**real(name), "window_size": False}
+
     try:
-        assert "compute_log_sumexp" in cudnn.schema_reason()
+        for fake, words in ((old, "lacks ['compute_log_sumexp']"), (newer, "does not know ['window_size']")):
+            monkeypatch.setattr(cudnn, "_arguments", fake)
+            cudnn.schema_reason.cache_clear()
+            assert words in cudnn.schema_reason()
     finally:
         monkeypatch.undo()
         cudnn.schema_reason.cache_clear()

@@ -71,8 +71,9 @@ _BACKWARD_NEEDS = {"grad_out", "query", "key", "value", "out", "logsumexp", "is_
 _BACKWARD_SETS = _BACKWARD_NEEDS | set(_FIXED) | {"philox_seed", "philox_offset", "max_q", "max_k"}
 
 
+@functools.lru_cache(maxsize=None)
 def _arguments(name: str) -> dict[str, bool]:
-    """This torch's ``aten::name`` arguments: name -> has a default."""
+    """This torch's ``aten::name`` arguments: name -> has a default (read once: every block call uses them)."""
     schema = getattr(torch.ops.aten, name).default._schema
     return {a.name: a.has_default_value() for a in schema.arguments}
 

@@ -1,7 +1,7 @@
 """FlashAttention-4 (``flash-attn-4``, CuTe DSL) behind torch's flash op.
 
 torch's ``torch.nn.attention`` keeps a registry of flash implementations (PyTorch PR 167348,
-Nov 2025; checked here on torch 2.13, where it lists "FA3" and "FA4"):
+Nov 2025, so from torch 2.10 on; checked here on torch 2.13, where it lists "FA3" and "FA4"):
 ``activate_flash_attention_impl("FA4")`` imports ``flash_attn.cute.interface`` and registers
 Python kernels over ``aten::_scaled_dot_product_flash_attention`` and its backward (and the
 ``_flash_attention_*`` ops) for the WHOLE process, until ``restore_flash_attention_impl()``.
@@ -13,8 +13,8 @@ out/lse in its backward (``_flash_attn_bwd(q, k, v, out, dout, lse)``), returns 
 
 What it needs (torch's ``torch/nn/attention/_fa4.py``, flash-attn-4's ``flash_attn/cute/interface.py``):
 
-* torch with the registry and "FA4" in ``list_flash_attention_impls()`` (torch 2.13 has it;
-  torch releases before the PR do not: feature-tested, not version-tested);
+* torch with the registry and "FA4" in ``list_flash_attention_impls()`` (feature-tested, not
+  version-tested: 2.10-2.12 were not checked here; older releases have no registry);
 * the ``flash-attn-4`` distribution below 4.0.0b19: from b19 ``_flash_attn_fwd`` returns 4
   values (5 by b36) and torch's glue unpacks 2 (``out, lse = ...``; PyTorch issue 190212), so
   every activated call would fail; b3-b18 return (out, lse) and take every argument torch's
@@ -32,6 +32,7 @@ RuntimeError instead of falling back: ``RING_SP_FA4=0`` keeps torch's FlashAtten
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import re
@@ -63,8 +64,10 @@ class Registry:
         return Registry(*(getattr(sdpa_attention, n) for n in names))
 
 
+@functools.lru_cache(maxsize=None)
 def installed_version() -> str | None:
-    """The installed flash-attn-4's version (package metadata: nothing is imported), or None."""
+    """The installed flash-attn-4's version (package metadata: nothing is imported), or None;
+    read once (kernels are chosen per attention call)."""
     try:
         return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:

@@ -165,8 +165,11 @@ def on_cudnn(seq_q: int, seq_k: int) -> bool:
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
-    """``[b, s, h, d]`` -> a ``[b, h, s, d]`` view of dense ``[b, s, h, d]`` storage (a copy if not dense)."""
-    return (x if x.is_contiguous() else x.contiguous()).transpose(1, 2)
+    """``[b, s, h, d]`` -> a ``[b, h, s, d]`` view of dense ``[b, s, h, d]`` storage (a copy if not
+    dense), with the standard strides even on size-1 dimensions (a slice of a batch keeps its
+    parent's there): one layout per shape, as the backward's graph cache needs."""
+    x = x if x.is_contiguous() else x.contiguous()
+    return x.view(-1).view(x.shape).transpose(1, 2)
 
 
 def _call(name: str, values: dict[str, Any]) -> Any:

@@ -17,7 +17,7 @@ from .shapes import HEAD_CHUNKS_AUTO, divisors, kv_heads_per_rank
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # The local attention backends a call may name (ring_sp.kernels runs them).
-BACKENDS = ("auto", "torch", "flash_attn", "reference")
+BACKENDS = ("auto", "torch", "flash_attn", "reference", "cudnn")
 # How the ring group exchanges KV: rotate it (the ring), gather it once, or the planner's choice.
 KV_EXCHANGES = ("ring", "all_gather", "auto")
 

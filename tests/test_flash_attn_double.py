@@ -23,6 +23,7 @@ import math
 import pytest
 import torch
 
+from block_checks import check_two_key_blocks
 from dist_cases import AttnCase, check_attention_cases
 from flash_attn_double import RELEASES, installed, parameters, run_installed
 from oracle import GRAD_TOL, LSE_ATOL, OUT_TOL, assert_close, assert_lse_close, oracle_results
@@ -215,19 +216,7 @@ def test_backend_blocks_match_the_oracle(release: str, dtype: torch.dtype) -> No
             out, lse = kernel.forward(q, k, v, causal=causal, scale=0.25)
             _check_against(want, out, lse, kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=0.25), dtype)
 
-        inputs = _inputs(2, 6, 12, 8, 2, 16, dtype, seed=9)
-        q, k, v, dout = inputs.values()
-        own = torch.ones(6, 6, dtype=torch.bool)
-        want = oracle_results(inputs, causal=False, scale=0.25, mask=torch.cat([own, own.tril()], 1))
-        blocks = [(slice(0, 6), False), (slice(6, 12), True)]
-        parts = [kernel.forward(q, k[:, s], v[:, s], causal=c, scale=0.25) for s, c in blocks]
-        lse = torch.logaddexp(parts[0][1], parts[1][1])
-        out = sum(o.float() * torch.exp(l - lse).transpose(1, 2).unsqueeze(-1) for o, l in parts).to(dtype)
-        lse = lse.transpose(1, 2).contiguous().transpose(1, 2)
-        grads = [kernel.backward(dout, q, k[:, s], v[:, s], out, lse, causal=c, scale=0.25) for s, c in blocks]
-        merged = (grads[0][0].double() + grads[1][0].double(), *(torch.cat([g[i] for g in grads], 1) for i in (1, 2)))
-        for got, name in zip(merged, ("dq", "dk", "dv")):
-            assert_close(name, got, want[name], GRAD_TOL[dtype])
+        check_two_key_blocks(kernel, _inputs(2, 6, 12, 8, 2, 16, dtype, seed=9), scale=0.25)
 
         for causal, window in ((True, 3), (False, 1)):  # a band, and the edge block key >= query
             inputs = _inputs(1, 8, 8, 4, 2, 16, dtype, seed=window)

@@ -147,7 +147,9 @@ def test_auto_picks_the_fused_cpu_kernel_and_explicit_unavailable_backends_fail_
     assert get_kernel("reference", CPU, torch.float32, 64).name == "reference"
     with pytest.raises(RuntimeError, match=r"backend='flash_attn' is unavailable: .*CUDA"):
         get_kernel("flash_attn", CPU, torch.bfloat16, 64)
+    with pytest.raises(RuntimeError, match=r"backend='cudnn' is unavailable: backend='cudnn' needs CUDA tensors; got device cpu"):
+        get_kernel("cudnn", CPU, torch.bfloat16, 64)
     with pytest.raises(ValueError, match=r"backend='xformers' is not one of"):
         get_kernel("xformers", CPU, torch.float32, 64)
     assert unavailable_reason("torch", CPU, torch.float32, 64) is None
-    assert set(BACKENDS) == {"auto", "torch", "flash_attn", "reference"}
+    assert set(BACKENDS) == {"auto", "torch", "flash_attn", "reference", "cudnn"}

@@ -1,4 +1,4 @@
-"""C3/C4 for the CUDA backends: PyTorch's fused ops ("torch" on CUDA) and flash-attn.
+"""C3/C4 for the CUDA backends: PyTorch's fused ops ("torch" on CUDA), cuDNN's and flash-attn.
 
 On a CUDA machine each backend's forward (out, lse) and backward (dq, dk, dv) is compared with
 the float64 autograd oracle of oracle.py, both for one block fed its own out/lse and for two key
@@ -20,9 +20,14 @@ from typing import Any
 import pytest
 import torch
 
+from cudnn_gpu_checks import (  # noqa: F401 (collected here: gpu_check's kernel_tests runs this file)
+    test_cudnn_grad_out_in_another_layout_than_out, test_cudnn_head_size_rule_is_never_looser_than_torchs,
+    test_cudnn_is_refused_in_deterministic_mode, test_cudnn_rows_with_very_negative_lse,
+    test_cudnn_runs_whole_tiles_and_hands_tails_to_torch)
 from oracle import GRAD_TOL, LSE_ATOL, OUT_TOL, assert_close, assert_lse_close, oracle_results
 from ring_sp.kernels import flash_attn as fa_backend
-from ring_sp.kernels import torch_cuda
+from ring_sp.kernels import torch_cuda, unavailable_reason
+from ring_sp.kernels.cudnn import CudnnKernel
 from ring_sp.kernels.flash_attn import FlashAttnKernel
 from ring_sp.kernels.torch_cuda import TorchCUDAKernel
 
@@ -37,12 +42,18 @@ VARIANTS = [
     ("torch-flash", torch.float16), ("torch-flash", torch.bfloat16),
     ("torch-efficient", torch.float16), ("torch-efficient", torch.bfloat16), ("torch-efficient", torch.float32),
     ("flash_attn", torch.float16), ("flash_attn", torch.bfloat16),
+    ("cudnn", torch.float16), ("cudnn", torch.bfloat16),  # seq 128: cuDNN; 1 and 17: its tail kernel
 ]
 CASES = pytest.mark.parametrize("variant,dtype", VARIANTS, ids=[f"{v}-{str(d)[6:]}" for v, d in VARIANTS])
 
 
 def _kernel(variant: str, dtype: torch.dtype, head_dim: int, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The backend under test; torch-flash / torch-efficient pin the op TorchCUDAKernel picks."""
+    if variant == "cudnn":
+        reason = unavailable_reason("cudnn", torch.device("cuda"), dtype, head_dim)
+        if reason is not None:
+            pytest.skip(reason)
+        return CudnnKernel(tail=TorchCUDAKernel())
     if variant == "flash_attn":
         reason = fa_backend.unavailable_reason(dtype, head_dim)
         if reason is not None:
@@ -206,17 +217,19 @@ def test_flash_attn_says_it_is_not_installed() -> None:
 
 
 def test_importing_the_backend_does_not_import_flash_attn() -> None:
-    code = (
-        "import sys, ring_sp.kernels.flash_attn, ring_sp.kernels.torch_cuda\n"
-        "loaded = {'flash_attn', 'flash_attn_interface', 'flash_attn_2_cuda'} & set(sys.modules)\n"
+    code = (  # nor makes torch's flash op FA4: that happens in get_kernel only (ring_sp.kernels.fa4)
+        "import sys, torch, ring_sp.kernels.flash_attn, ring_sp.kernels.torch_cuda, ring_sp.kernels.cudnn\n"
+        "loaded = {'flash_attn', 'flash_attn_interface', 'flash_attn_2_cuda', 'flash_attn.cute'} & set(sys.modules)\n"
         "assert not loaded, loaded\n"
+        "assert torch.nn.attention.current_flash_attention_impl() is None\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("kernel", [TorchCUDAKernel(), FlashAttnKernel()], ids=["torch", "flash_attn"])
+@pytest.mark.parametrize("kernel", [TorchCUDAKernel(), FlashAttnKernel(), CudnnKernel(tail=TorchCUDAKernel())],
+                         ids=["torch", "flash_attn", "cudnn"])
 @pytest.mark.parametrize("seq_q,seq_k", [(0, 5), (5, 0)])
 def test_empty_blocks_give_zero_out_and_minus_inf_lse(kernel: Any, seq_q: int, seq_k: int) -> None:
     q, dout = torch.randn(2, seq_q, 4, 16, dtype=torch.bfloat16), torch.randn(2, seq_q, 4, 16, dtype=torch.bfloat16)

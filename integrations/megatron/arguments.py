@@ -43,7 +43,7 @@ def add_ring_sp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument("--ring-sp-placement", choices=PLACEMENTS, default="ulysses_inner",
                        help="ulysses_inner: each Ulysses group on neighbouring CP ranks (default)")
     group.add_argument("--ring-sp-backend", choices=BACKENDS, default="auto",
-                       help="local attention kernel (default auto: flash_attn or torch on CUDA, torch on CPU)")
+                       help="local attention kernel (default auto: ring_sp.kernels.AUTO_ORDER's first that can run)")
     group.add_argument("--ring-sp-kv-exchange", choices=KV_EXCHANGES, default="ring",
                        help="how a ring group exchanges KV: ring (default), all_gather (gather once, reduce-scatter "
                             "dK/dV) or auto (the planner's choice per call)")

@@ -49,11 +49,13 @@ def torch_release(version: str = torch.__version__) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
+TORCH_RELEASE = torch_release()
+
+
 def fused_accumulation(device: torch.device, operands: torch.dtype, accumulator: torch.dtype, *,
-                       release: tuple[int, int] | None = None, hip: bool | None = None) -> bool:
+                       release: tuple[int, int] = TORCH_RELEASE, hip: bool | None = None) -> bool:
     """Whether a GEMM of ``operands`` writes its fp32 sum straight into an ``accumulator`` tensor
     on ``device`` (``addmm(..., out_dtype=)``). ``release`` / ``hip``: this torch's (for tests)."""
-    release = torch_release() if release is None else release
     hip = torch.version.hip is not None if hip is None else hip
     return (device.type == "cuda" and not hip and release >= OUT_DTYPE_ACCUMULATION_SINCE
             and operands in LOW_PRECISION and accumulator == FP32)
@@ -104,4 +106,5 @@ def linear_grads(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: t
     return gx, gw, gb
 
 
-__all__ = ["OUT_DTYPE_ACCUMULATION_SINCE", "accumulate_matmul", "fused_accumulation", "linear_grads", "torch_release"]
+__all__ = ["OUT_DTYPE_ACCUMULATION_SINCE", "TORCH_RELEASE", "accumulate_matmul", "fused_accumulation", "linear_grads",
+           "torch_release"]

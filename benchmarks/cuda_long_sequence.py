@@ -40,7 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from ring_sp.offload import OffloadedCheckpoint
-from ring_sp.tiling import tiled_linear_cross_entropy, tiled_map
+from ring_sp.tiling import tile_linear, tiled_linear_cross_entropy, tiled_map
 
 MODES = ("untiled", "tiled", "untiled+ckpt", "tiled+ckpt", "tiled+offload")
 
@@ -68,8 +68,8 @@ class Layer(nn.Module):
         return self.o(out[0].transpose(0, 1).reshape(n, -1))
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        def gated(t, g, u, dn):
-            return F.linear(F.silu(F.linear(t, g)) * F.linear(t, u), dn)
+        def gated(t, g, u, dn):  # tile_linear: inside tiled_map each weight's gradient goes into its fp32 sum
+            return tile_linear(F.silu(tile_linear(t, g)) * tile_linear(t, u), dn)
 
         params = [self.gate.weight, self.up.weight, self.down.weight]
         if self.tile_tokens is None:

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .gemm import linear_grads
+
 NORM_VARIANTS = ("llama", "olmo", "gemma")
 """How an RMSNorm applies its weight to the fp32 normalised rows ``n``, input dtype ``t``:
 ``llama`` ``w * n.to(t)`` (Llama, Qwen2/3, Mistral); ``olmo`` ``(w * n).to(t)`` (OLMo 2, gpt-oss);
@@ -221,20 +223,6 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 # ---------------------------------------------------------------- linears
 
-def _linear_grads(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, need_x: bool,
-                  need_w: bool, need_b: bool, cast_x: bool = True) -> tuple[torch.Tensor | None, ...]:
-    """Gradients of ``F.linear(x, weight, bias)`` given ``g``, as autograd's mm / addmm
-    backwards compute them: operands in the output's dtype (autocast's), results cast back
-    (x's only if ``cast_x``)."""
-    c = g.dtype
-    g2 = g.reshape(-1, g.shape[-1])
-    gx = g2.mm(weight.to(c)).view(*x.shape[:-1], weight.shape[1]) if need_x else None
-    gx = gx.to(x.dtype) if gx is not None and cast_x else gx
-    gw = g2.t().mm(x.reshape(-1, x.shape[-1]).to(c)).to(weight.dtype) if need_w else None
-    gb = g2.sum(0).to(bias.dtype) if need_b and bias is not None else None
-    return gx, gw, gb
-
-
 class _KeptInputLinear(torch.autograd.Function):
     """``x [..., a, b]`` -> ``linear(x.flatten(-2))``; keeps x itself (no contiguous copy)."""
 
@@ -248,7 +236,7 @@ class _KeptInputLinear(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         x, weight, bias = ctx.saved_tensors
         with _autocast_off(g):
-            gx, gw, gb = _linear_grads(g, x.reshape(*x.shape[:-2], -1), weight, bias, *ctx.needs_input_grad)
+            gx, gw, gb = linear_grads(g, x.reshape(*x.shape[:-2], -1), weight, bias, *ctx.needs_input_grad)
         return None if gx is None else gx.view(x.shape), gw, gb
 
 
@@ -300,15 +288,15 @@ class _GatedMLP(torch.autograd.Function):
             up_ = up.detach().requires_grad_(need_in)
             product = ctx.act(gate_) * up_  # as the forward computed it (same autocast)
         with _autocast_off(gy):
-            g_product, g_down_w, g_down_b = _linear_grads(gy, product.detach(), down_w, down_b, need_in, need[6],
+            g_product, g_down_w, g_down_b = linear_grads(gy, product.detach(), down_w, down_b, need_in, need[6],
                                                           need[7])
             if not need_in:
                 return None, None, None, None, None, None, None, g_down_w, g_down_b
             g_gate, g_up = torch.autograd.grad(product, (gate_, up_), g_product)
             del product, gate_, up_, g_product
             cast = not ctx.shared_cast
-            gx_gate, g_gate_w, g_gate_b = _linear_grads(g_gate, x, gate_w, gate_b, need[0], need[2], need[3], cast)
-            gx_up, g_up_w, g_up_b = _linear_grads(g_up, x, up_w, up_b, need[0], need[4], need[5], cast)
+            gx_gate, g_gate_w, g_gate_b = linear_grads(g_gate, x, gate_w, gate_b, need[0], need[2], need[3], cast)
+            gx_up, g_up_w, g_up_b = linear_grads(g_up, x, up_w, up_b, need[0], need[4], need[5], cast)
         if need[0] and ctx.shared_cast:  # one cast of x for both: summed in its dtype, then cast back
             gx_up, gx_gate = (gx_up + gx_gate).to(x.dtype), None
         return gx_up, gx_gate, None, g_gate_w, g_gate_b, g_up_w, g_up_b, g_down_w, g_down_b

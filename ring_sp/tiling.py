@@ -8,15 +8,17 @@ recomputes one tile at a time (the MLP), or each tile's gradients are taken in t
 right after its loss (the loss, which is the forward's last op). At most one tile of
 intermediates exists at once.
 
-* :func:`tiled_map`: ``fn(x_tile, *params)`` over token tiles (an MLP);
+* :func:`tiled_map`: ``fn(x_tile, *params)`` over token tiles (an MLP); a linear of ``fn``
+  written as :func:`tile_linear` sums its weight's gradient straight into the call's fp32 sum;
 * :func:`tiled_linear_cross_entropy`: ``hidden @ weight.T`` (+ bias, optional logit
   soft-capping) and the summed cross entropy over tiles (an LM head and its loss).
 
 Each is ONE autograd Function over all tiles, with the weights as its inputs: the
 weights are read once per forward and once per backward (a ZeRO-3 engine gathers them once
 per call, not once per tile), and their gradients are summed over the tiles inside and
-handed to autograd once (one gradient hook per parameter per step). Framework-agnostic:
-no distributed calls here.
+handed to autograd once (one gradient hook per parameter per step). The sums are fp32 for a
+bf16 / fp16 model, and their GEMMs run on operands of the model's dtype
+(:func:`ring_sp.gemm.accumulate_matmul`). Framework-agnostic: no distributed calls here.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from .data import IGNORE_INDEX
+from .gemm import accumulate_matmul, linear_grads
 from .shapes import LOSS_TILE_TENSORS, auto_tile_tokens
 from .tensor_tags import tag, tagged
 
@@ -110,6 +114,35 @@ def _leaves(params: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
     return [None if p is None else p.detach().requires_grad_(p.requires_grad) for p in params]
 
 
+_GRAD_SUM = "ring_sp_grad_sum"  # on a tiled_map backward's parameter leaves: the fp32 sum of their gradient
+
+
+class _TileLinear(torch.autograd.Function):
+    """``F.linear(x, weight, bias)``; inside a :func:`tiled_map` backward, the weight's gradient is
+    added straight into that call's fp32 sum (no per-tile ``[out, in]`` product handed to autograd)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, bias)
+        ctx.weight_sum = getattr(weight, _GRAD_SUM, None)  # the leaf itself carries it, no alias does
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g: torch.Tensor):
+        x, weight, bias = ctx.saved_tensors
+        with torch.autocast(g.device.type, enabled=False):  # the forward's dtypes, cast explicitly
+            return linear_grads(g, x, weight, bias, *ctx.needs_input_grad, weight_sum=ctx.weight_sum)
+
+
+def tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for the ``fn`` of :func:`tiled_map`: x ``[..., in]``, weight
+    ``[out, in]`` -> ``[..., out]``. Its backward runs autograd's ops, except that inside
+    tiled_map the weight's gradient is summed over the tiles by one GEMM per tile straight into
+    an fp32 buffer (:func:`ring_sp.gemm.accumulate_matmul`). Elsewhere it is ``F.linear``."""
+    return _TileLinear.apply(x, weight, bias)
+
+
 class _TiledMap(torch.autograd.Function):
     """``y = fn(x, *params)`` row by row over tiles of ``x`` ``[T, H]``; each tile recomputed in the backward."""
 
@@ -137,6 +170,8 @@ class _TiledMap(torch.autograd.Function):
         leaves = _leaves(params)
         trained = [i for i, p in enumerate(leaves) if p is not None and p.requires_grad]
         sums = {i: _accumulator(leaves[i]) for i in trained}
+        for i in trained:  # fn's tile_linear adds its weight's gradient into the sum itself
+            setattr(leaves[i], _GRAD_SUM, sums[i])
         grad_x = torch.empty_like(x) if need_x else None
         for start in range(0, x.shape[0], ctx.tile_tokens):
             tile = x[start:start + ctx.tile_tokens].detach().requires_grad_(need_x)
@@ -163,7 +198,9 @@ def tiled_map(fn: Callable[..., torch.Tensor], x: torch.Tensor, params: Sequence
     ``x`` ``[..., H]`` (every leading dimension is tokens: ``fn`` must act on each token
     alone, as an MLP does); ``fn(x_tile [t, H], *params) -> [t, O]`` must be a pure
     function of its arguments (it reads every weight it uses from ``params``, so their
-    gradients flow through this call; it is called again in the backward). Returns
+    gradients flow through this call; it is called again in the backward); its linears
+    written as :func:`tile_linear` sum their weights' gradients straight into fp32 (others
+    hand autograd a product per tile, added into the fp32 sum). Returns
     ``[..., O]``. Only one tile's intermediates ever exist; the parameters' gradients are
     summed over the tiles and handed to autograd once. ``tile_tokens=None``: sized by the
     library (:func:`tile_tokens_for`) from ``tile_width``, the elements per token of ``fn``'s
@@ -201,11 +238,12 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
     The loss is the last op of the forward, so (as DeepSpeed ALST's and Liger's fused losses
     do) each tile's gradients are computed right after its loss, while its logits exist:
     the logits are computed once, not again in the backward (3 matmuls per tile, as untiled,
-    instead of 4). The head's gradient is summed into ONE buffer by ``addmm_`` (no per-tile
-    ``[vocab, hidden]`` product): the fp32 accumulator, which for an fp32 head is handed to
-    autograd as the gradient itself, scaled in place. The backward only scales the kept
-    gradients by the incoming one (the loss is linear in it). Under ``no_grad`` (evaluation)
-    no gradient is taken.
+    instead of 4). The head's gradient is summed into ONE buffer by GEMMs on the model's dtype
+    (:func:`ring_sp.gemm.accumulate_matmul`: no per-tile ``[vocab, hidden]`` product on CUDA,
+    row blocks of it within the tile's freed fp32 logits elsewhere): the fp32 accumulator,
+    which for an fp32 head is handed to autograd as the gradient itself, scaled in place. The
+    backward only scales the kept gradients by the incoming one (the loss is linear in it).
+    Under ``no_grad`` (evaluation) no gradient is taken.
     """
 
     @staticmethod
@@ -235,8 +273,8 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
                 del logits, d_logits, linear
                 if need_h:
                     torch.mm(d_linear, weight, out=grad_h[start:start + tile.shape[0]])
-                if sums[0] is not None:
-                    sums[0].addmm_(d_linear.t().to(sums[0].dtype), tile.to(sums[0].dtype))
+                if sums[0] is not None:  # on the model's dtype, summed in fp32
+                    accumulate_matmul(sums[0], d_linear.t(), tile.to(d_linear.dtype))
                 if sums[1] is not None:
                     sums[1] += d_linear.sum(0, dtype=sums[1].dtype)
                 del d_linear
@@ -284,4 +322,4 @@ def tiled_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
 
 
 __all__ = ["DEFAULT_TILE_TOKENS", "RowwiseOrigin", "check_tile_tokens", "mark_rowwise_origin", "rowwise_origin",
-           "tile_tokens_for", "tiled_linear_cross_entropy", "tiled_map"]
+           "tile_linear", "tile_tokens_for", "tiled_linear_cross_entropy", "tiled_map"]

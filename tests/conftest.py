@@ -60,3 +60,24 @@ def single_rank():
         path = tempfile.mktemp(prefix="ring_sp_single_")
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
     yield dist.group.WORLD
+
+
+@pytest.fixture
+def ring_sp_one_rank(single_rank):
+    """ring_sp registered with transformers over a 1-rank group (yields its topology), the registry restored after."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    import ring_sp
+    import ring_sp.integrations.transformers as rsp_hf
+
+    saved = [(registry, registry._global_mapping.get("ring_sp")) for registry in (AttentionInterface,
+                                                                                AttentionMaskInterface)]
+    topology = ring_sp.init_sequence_parallel(1, 1)
+    rsp_hf.register(topology)
+    yield topology
+    for registry, entry in saved:
+        if entry is None:
+            registry._global_mapping.pop("ring_sp", None)
+        else:
+            registry._global_mapping["ring_sp"] = entry

@@ -234,26 +234,6 @@ def test_lean_layers_under_activation_checkpointing_and_generation() -> None:
                            reference.eval().generate(ids[:1, :5], max_new_tokens=5, do_sample=False))
 
 
-@pytest.fixture
-def ring_sp_one_rank(single_rank):
-    """ring_sp registered with transformers over a 1-rank group, the registry restored after."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    import ring_sp
-    import ring_sp.integrations.transformers as rsp_hf
-
-    saved = [(registry, registry._global_mapping.get("ring_sp")) for registry in (AttentionInterface,
-                                                                                AttentionMaskInterface)]
-    rsp_hf.register(ring_sp.init_sequence_parallel(1, 1))
-    yield
-    for registry, entry in saved:
-        if entry is None:
-            registry._global_mapping.pop("ring_sp", None)
-        else:
-            registry._global_mapping["ring_sp"] = entry
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_keeps_q_k_v_and_out_once_with_ring_sp(ring_sp_one_rank, dtype: torch.dtype) -> None:
     """transformers' attention + ring_sp's (one rank, CPU kernel: out comes head-major) keep out

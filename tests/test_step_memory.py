@@ -294,3 +294,22 @@ def test_ulysses_output_is_kept_twice_until_o_projs_backward() -> None:
     assert o_proj_input_bytes(LLAMA_8B, lean, n=n, ulysses=8) == 2 * n * 4096
     ring, ulysses = (layer_kept(LLAMA_8B, lean, n=n, ulysses=u, ring=8 // u) for u in (1, 8))
     assert ulysses - ring == 2 * n * 4096  # 8 KV heads over U = 8: k / v the same bytes in either layout
+
+
+def test_tiled_mlp_backward_counts_its_fp32_weight_gradient_sums(monkeypatch) -> None:
+    """Issue 38.1: ring_sp's tiled MLP sums its three [ffn, hidden] weights' gradients in fp32 through its
+    backward (3 x 14336 x 4096 x 4 bytes at 8B, bf16 or fp32 alike); untiled, and ALST's TiledMLP (which
+    adds each tile into .grad), hold none. The GEMMs into them add nothing the tile's working set does not
+    hold already (ring_sp.gemm), so the layer's backward grows by exactly the sums."""
+    from ring_sp.plan import layer_memory
+
+    sums = 3 * 14336 * 4096 * 4
+    for dtype in ("bf16", "fp32"):
+        assert layer_memory.mlp_gradient_sums(LLAMA_8B, sm.Training(dtype=dtype, tiled_mlp=True)) == sums
+        assert layer_memory.mlp_gradient_sums(LLAMA_8B, sm.Training(dtype=dtype)) == 0
+    assert layer_memory.mlp_gradient_sums(LLAMA_8B, sm.Training(dtype="bf16", tiled_mlp=True, library="alst")) == 0
+    tiled = sm.Training(dtype="bf16", tiled_mlp=True, lean_layers=True, head_chunks=8)  # the defaults' 1 x 8 row
+    at = lambda: layer_memory.layer_backward_phase(LLAMA_8B, tiled, n=2**17, ulysses=1, ring=8, recompute=0.0)  # noqa: E731
+    counted = at()
+    monkeypatch.setattr(layer_memory, "mlp_gradient_sums", lambda model, training: 0)
+    assert counted - at() == sums  # with 8 head chunks the MLP is the layer's larger working set

@@ -69,7 +69,7 @@ from ring_sp.integrations.deepspeed.engine import save_checkpoint  # noqa: E402
 from ring_sp.agreement import raise_at_next_agreement  # noqa: E402
 from ring_sp.data import shard_positions_error  # noqa: E402
 from ring_sp.offload import OffloadedCheckpoint  # noqa: E402
-from ring_sp.tiling import check_tile_tokens, tiled_linear_cross_entropy, tiled_map  # noqa: E402
+from ring_sp.tiling import check_tile_tokens, tile_linear, tiled_linear_cross_entropy, tiled_map  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("ds_config.json")
 
@@ -166,8 +166,9 @@ class Block(nn.Module):
 
 def _gelu_mlp(x: torch.Tensor, up_w: torch.Tensor, up_b: torch.Tensor, down_w: torch.Tensor,
               down_b: torch.Tensor) -> torch.Tensor:
-    """Block.mlp on one tile of tokens, from its weights (what ring_sp.tiling.tiled_map recomputes)."""
-    return F.linear(F.gelu(F.linear(x, up_w, up_b)), down_w, down_b)
+    """Block.mlp on one tile of tokens, from its weights (what ring_sp.tiling.tiled_map recomputes; its
+    linears' weight gradients summed in fp32 by tile_linear on the model's dtype)."""
+    return tile_linear(F.gelu(tile_linear(x, up_w, up_b)), down_w, down_b)
 
 
 class GPT(nn.Module):

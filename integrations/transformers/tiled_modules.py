@@ -14,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ring_sp.shapes import GATED_MLP_TILE_TENSORS
-from ring_sp.tiling import rowwise_origin, tiled_linear_cross_entropy, tiled_map
+from ring_sp.tiling import rowwise_origin, tile_linear, tiled_linear_cross_entropy, tiled_map
 
 from .module_classes import hf_class
 
@@ -42,8 +41,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def _gated_mlp(x: torch.Tensor, act: nn.Module, gate_w: torch.Tensor, up_w: torch.Tensor, down_w: torch.Tensor,
                gate_b: torch.Tensor | None, up_b: torch.Tensor | None, down_b: torch.Tensor | None) -> torch.Tensor:
-    """A gated MLP on one tile ``[t, H] -> [t, H]``, as the HF classes in :data:`GATED_MLPS` compute it."""
-    return F.linear(act(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
+    """A gated MLP on one tile ``[t, H] -> [t, H]``, as the HF classes in :data:`GATED_MLPS` compute it
+    (its weights' gradients summed by :func:`ring_sp.tiling.tile_linear`)."""
+    return tile_linear(act(tile_linear(x, gate_w, gate_b)) * tile_linear(x, up_w, up_b), down_w, down_b)
 
 
 class TiledGatedMLP:

@@ -197,7 +197,10 @@ def loss_phase(model: Transformer, training: Training, n: int) -> float:
     Untiled, at its backward: log-softmax's fp32 output and two fp32 gradients of ``[n, vocab]``.
     ring_sp tiled (``tiling.py``): one tile's fp32 logits and their gradient (plus the head's
     output and its gradient in the model dtype when it is not fp32), the head's gradient summed
-    into ONE fp32 accumulator (``addmm_``), the ``[n, hidden]`` input gradient. ALST's tiled loss:
+    into ONE fp32 accumulator by GEMMs on the model's dtype (:func:`ring_sp.gemm.accumulate_matmul`:
+    on CUDA straight into it; elsewhere a product in row blocks of at most one ``[t, vocab]``
+    tensor in the model dtype, made after the tile's fp32 logits and gradient are freed, so
+    within their bytes), the ``[n, hidden]`` input gradient. ALST's tiled loss:
     cross entropy's own backward per tile (three fp32 ``[t, vocab]``; each tile's head gradient
     added to .grad after they are freed). Liger's fused linear cross entropy (ALST with Liger):
     one chunk's logits in the model dtype (the gradient is written in place), the input gradient,
@@ -220,17 +223,31 @@ def loss_phase(model: Transformer, training: Training, n: int) -> float:
     return final + logits + head
 
 
+def mlp_gradient_sums(model: Transformer, training: Training) -> int:
+    """Bytes of ring_sp's tiled MLP's weight-gradient sums during its backward: the three
+    ``[ffn, hidden]`` weights' gradients summed over the tiles in fp32 (fp64 for fp64)
+    (:func:`ring_sp.tiling.tiled_map`). Their GEMMs on the model's dtype add nothing beyond the
+    tile's working set: on CUDA they write into the sums (``out_dtype``), elsewhere each one's
+    product comes in row blocks no larger than one ``[tile, ffn]`` tensor, written while that
+    working set is short of its peak by one (:func:`ring_sp.gemm.accumulate_matmul`)."""
+    if training.library != "ring_sp" or not training.tiled_mlp:
+        return 0
+    return 3 * model.ffn * model.hidden * max(FP32, dtype_bytes(training.dtype)[0])
+
+
 def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int,
                          recompute: float) -> float:
     """One layer's backward: the incoming gradient and the residual's, the layer's activations
     (``recompute``: its kept tensors when checkpointed, else 0) and the larger of the MLP's
     working set (two ``[tokens, ffn]`` gradients; tiled: one tile's activations and gradients,
-    the ``[n, hidden]`` input gradient and output the tiles fill) and the attention's backward."""
+    the ``[n, hidden]`` input gradient and output the tiles fill, ring_sp's fp32 weight-gradient
+    sums) and the attention's backward."""
     e, _ = dtype_bytes(training.dtype)
     h = model.hidden
     tile = mlp_tile(model, training, n)
     acts = {"hf": 4, "fused": 3, "lean": 4}[pieces(training)] * e * model.ffn  # lean recomputes act and product
     mlp = 2 * e * model.ffn * tile + ((acts * tile + 2 * n * e * h) if training.tiled_mlp else 0)
+    mlp += mlp_gradient_sums(model, training)
     if mlp_renormalises(training):  # the tile's norm again, under autograd: its fp32 rows and normalised rows
         mlp += 2 * FP32 * h * tile
     att = attention(model, training, n=n, ulysses=ulysses, ring=ring)[1]
@@ -240,5 +257,5 @@ def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulys
 
 
 __all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "attention", "head_chunk_count", "layer_backward_phase",
-           "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_kept", "mlp_renormalises", "mlp_tile",
-           "norm_kept", "o_proj_input_bytes", "pieces", "ring_sp_attention"]
+           "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_gradient_sums", "mlp_kept", "mlp_renormalises",
+           "mlp_tile", "norm_kept", "o_proj_input_bytes", "pieces", "ring_sp_attention"]

@@ -26,7 +26,6 @@ from .base import AttentionKernel
 from .flash_attn import FlashAttnKernel
 from .reference import ReferenceKernel
 from .torch_cpu import TorchCPUKernel
-from .torch_cuda import TorchCUDAKernel
 
 __all__ = ["AttentionKernel", "BACKENDS", "get_kernel", "softmax_stat_dtype", "unavailable_reason"]
 
@@ -74,7 +73,13 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim:
     if name == "reference":
         return ReferenceKernel()
     if name == "torch":
-        if device.type == "cpu":
-            return TorchCPUKernel()
-        return TorchCUDAKernel()
+        return _torch_kernel(device, dtype, head_dim, value_head_dim if value_head_dim is not None else head_dim)
     return FlashAttnKernel()
+
+
+def _torch_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int) -> AttentionKernel:
+    """backend="torch": the CPU op on CPU, on CUDA the op that runs these tensors (fixed now, so the
+    schedule knows what it takes). tests/torch_flash_double.py routes CPU tensors to the CUDA kernel."""
+    if device.type == "cpu":
+        return TorchCPUKernel()
+    return torch_cuda.kernel_for(device, dtype, head_dim, value_head_dim)

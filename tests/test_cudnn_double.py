@@ -20,12 +20,14 @@ import pytest
 import torch
 
 import ring_sp.kernels as kernels
+import torch_flash_double
 from block_checks import check_two_key_blocks
 from cudnn_double import CudnnOps, installed, run_installed
 from dist_cases import AttnCase, check_attention_cases
 from oracle import GRAD_TOL, LSE_ATOL, OUT_TOL, assert_close, assert_lse_close, oracle_results
 from ring_sp.kernels import cudnn, fa4, get_kernel
 from ring_sp.kernels.torch_cpu import TorchCPUKernel
+from ring_sp.kernels.torch_cuda import TorchCUDAKernel
 
 CPU = torch.device("cpu")
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -381,3 +383,24 @@ def test_distributed_through_the_double(pools) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_distributed_through_the_double_sweep(pools, world_size: int) -> None:
     _run(pools, world_size, full=True)
+
+
+def _with_flash_tail(tile: int, fn, *args, **kwargs):
+    """``fn`` with the cuDNN double (``tile`` rows) and torch's flash op double as its tail (a pool case)."""
+    with torch_flash_double.installed():
+        return run_installed(tile, fn, *args, **kwargs)
+
+
+def test_bands_and_varlen_calls_go_to_a_tail_that_takes_them(pools) -> None:
+    """With torch's flash op as the tail (its double), the cudnn kernel takes what the tail takes:
+    window bands whole and a step's documents as one varlen call, both run by the tail, while
+    whole-tile blocks stay on cuDNN; exact against the oracle on 4 ring ranks."""
+    with installed(), torch_flash_double.installed():
+        kernel = get_kernel("cudnn", CPU, torch.bfloat16, 16)
+        assert isinstance(kernel.tail, TorchCUDAKernel) and kernel.supports_window and kernel.supports_varlen
+    cases = [AttnCase("ring", "zigzag", True, 1, 16, 4, 2, 16, "bf16", seed=0, ring=4, backend="cudnn", window=5),
+             AttnCase("ring", "document_zigzag", True, 1, 16, 4, 2, 16, "fp16", seed=1, ring=4, backend="cudnn",
+                      packed=True),
+             AttnCase("ring", "zigzag", True, 1, 16, 4, 2, 16, "bf16", seed=2, ring=4, backend="cudnn")]
+    results = pools.get(4).run(_with_flash_tail, DIST_TILE, check_attention_cases, cases, timeout=900)
+    assert all(calls["forward"] and calls["backward"] for _, calls in results)  # cuDNN blocks ran on every rank

@@ -129,11 +129,18 @@ def test_causal_alignment_of_the_cpu_op_is_top_left() -> None:
     torch.testing.assert_close(out.transpose(1, 2), expected, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize("name", KERNELS)
-def test_non_square_causal_blocks_are_refused(name: str) -> None:
-    q, k, v, _ = _inputs(6, 4, 2, 2, 8, torch.float32)
+def test_non_square_causal_blocks_are_refused_without_bands() -> None:
+    """A kernel without window arguments takes square masked blocks only; one with them (the
+    reference) takes any shape, its mask ``c - a <= diagonal`` in block coordinates (top-left)."""
+    q, k, v, _ = _inputs(6, 4, 2, 2, 8, torch.float64)
     with pytest.raises(ValueError, match=r"causal=True needs a square block.*seq_q=6, seq_k=4"):
-        KERNELS[name].forward(q, k, v, causal=True, scale=1.0)
+        KERNELS["torch"].forward(q, k, v, causal=True, scale=1.0)
+    with pytest.raises(ValueError, match=r"diagonal=1 needs a kernel with window arguments"):
+        KERNELS["torch"].forward(q, k, v, causal=False, scale=1.0, diagonal=1)
+    for diagonal in (0, 1, 2):
+        out, _ = KERNELS["reference"].forward(q, k, v, causal=True, scale=1.0, diagonal=diagonal)
+        expected, _ = oracle_attention(q, k, v, causal=False, scale=1.0, mask=torch.ones(6, 4, dtype=torch.bool).tril(diagonal))
+        torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
 
 
 def test_empty_blocks_give_zero_output_and_minus_infinity() -> None:

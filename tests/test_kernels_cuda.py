@@ -241,6 +241,109 @@ def test_empty_blocks_give_zero_out_and_minus_inf_lse(kernel: Any, seq_q: int, s
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and not any(g.any() for g in grads)
 
 
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_flash_bands_match_oracle(dtype: torch.dtype, head_dim: int) -> None:
+    """Bands of any shape as ONE call of the flash op's window (issue 38 item 3), forward and
+    backward, against the oracle with the band as its mask; a tall band the op's right >=
+    seqlen_k rule would widen is refused, not computed."""
+    from test_kernel_calls import _band, _checked, _oracle
+
+    kernel = torch_cuda.kernel_for(torch.device("cuda"), dtype, head_dim, head_dim)
+    if not kernel.supports_window:
+        pytest.skip(f"this torch's flash op takes no window (torch >= 2.5); flash={kernel.flash}")
+    for nq, nk, causal, window, diagonal in ((130, 300, True, 90, 170), (200, 200, True, 64, 0), (96, 96, False, 1, 0),
+                                             (300, 70, False, 40, -200), (64, 257, True, None, 193)):
+        inputs = [t.cuda() for t in _host_inputs(nq, nk, 8, 2, head_dim, dtype, seed=nq + nk)]
+        lo, hi = (None if window is None else diagonal - window), (diagonal if causal else None)
+        want, dout = _oracle(inputs, _band(nq, nk, lo, hi), head_dim**-0.5)
+        q, k, v, _ = inputs
+        out, lse = kernel.forward(q, k, v, causal=causal, scale=head_dim**-0.5, window=window, diagonal=diagonal)
+        grads = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=head_dim**-0.5, window=window,
+                                diagonal=diagonal)
+        _checked(want, out, lse, grads, dtype, float("-inf"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("b,head_major", [(1, False), (2, True)])
+def test_flash_segments_match_oracle(dtype: torch.dtype, b: int, head_major: bool) -> None:
+    """A step's blocks as one varlen call with filler segments (keys without queries, queries
+    without keys) on views: the rows of fillers come back out 0 / lse -inf and their dq, the
+    keys of fillers dk = dv = 0 (what torch's flash_api.cpp and the kernels' early exits write,
+    and what tests/torch_flash_double.py assumes)."""
+    from test_kernel_calls import _checked, _segmented
+
+    from ring_sp.ring.calls import CallPlan
+    from ring_sp.schedule import BlockTask, KernelCaps
+
+    kernel = torch_cuda.kernel_for(torch.device("cuda"), dtype, 64, 64)
+    if not kernel.supports_varlen:
+        pytest.skip("this torch's varlen flash op returns lse [segments, heads, max_q] (before FlashAttention 2.6)")
+    blocks = (BlockTask(slice(0, 200), slice(64, 264), True, None, 1),
+              BlockTask(slice(300, 430), slice(300, 430), True, None, 1),
+              BlockTask(slice(500, 600), slice(520, 700), True, None, 81))  # all (left, right) = (-1, 1)
+    (q, k, v, dout), want = _segmented(blocks, b, 720, dtype, head_major, seed=b, head_dim=64)
+    q, k, v, dout = (t.cuda() for t in (q, k, v, dout))
+    ((call, segments),) = CallPlan((blocks,), KernelCaps(bands=True, varlen=True)).launches(torch.device("cuda"))[0]
+    assert segments is not None and call.fills_rows
+    rows, keys = call.q, call.kv
+    out, lse = kernel.forward_segments(q[:, rows], k[:, keys], v[:, keys], segments, scale=0.25)
+    grads = kernel.backward_segments(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out, lse, segments, scale=0.25)
+    part = {name: want[name][:, rows] for name in ("out", "dq")} | {"lse": want["lse"][:, :, rows]}
+    part |= {name: want[name][:, keys] for name in ("dk", "dv")}
+    _checked(part, out.cpu(), lse.cpu(), [g.cpu() for g in grads], dtype, float("-inf"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_flash_double_matches_the_op(dtype: torch.dtype) -> None:
+    """tests/torch_flash_double.py against the real ops, same inputs: dense with windows (and a
+    right window >= seqlen_k), varlen with filler segments; out, lse, dq, dk, dv."""
+    from torch_flash_double import FlashDouble
+
+    if not torch_cuda.flash_window_arguments() or not torch_cuda.varlen_lse_packed():
+        pytest.skip("the double models torch >= 2.5 with FlashAttention 2.6's varlen lse")
+    ops, double = torch.ops.aten, FlashDouble()
+    g = torch.Generator().manual_seed(0)
+    dense = [(40, 90, True, None, None), (90, 40, False, 10, 3), (90, 40, False, None, 60), (64, 64, False, 0, None)]
+    for sq, sk, causal, left, right in dense:
+        q, dout = (torch.randn(2, sq, 8, 64, generator=g).to(dtype) for _ in range(2))
+        k, v = (torch.randn(2, sk, 2, 64, generator=g).to(dtype) for _ in range(2))
+        extra = dict(scale=0.125, window_size_left=left, window_size_right=right)
+        _same(ops, double, (q, k, v, dout), (None, None, sq, sk), causal, extra)
+    cu_q, cu_k = [0, 30, 30, 75, 80], [0, 50, 70, 110, 110]  # a segment without queries, one without keys
+    q, dout = (torch.randn(80, 8, 64, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(110, 2, 64, generator=g).to(dtype) for _ in range(2))
+    offsets = [torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k)]
+    for causal, left, right in ((True, None, None), (False, 7, 0), (False, None, None)):
+        _same(ops, double, (q, k, v, dout), (*offsets, 45, 50), causal,
+              dict(scale=0.125, window_size_left=left, window_size_right=right))
+
+
+def _same(ops: Any, double: Any, tensors: tuple[torch.Tensor, ...], lengths: tuple[Any, ...], causal: bool,
+          extra: dict[str, Any]) -> None:
+    q, k, v, dout = tensors
+    cpu = double.forward(q, k, v, *lengths, 0.0, causal, False, **extra)[:2]
+    cuda_lengths = tuple(x.cuda() if isinstance(x, torch.Tensor) else x for x in lengths)
+    gpu = ops._flash_attention_forward(q.cuda(), k.cuda(), v.cuda(), *cuda_lengths, 0.0, causal, False, **extra)[:2]
+    for name, a, b in zip(("out", "lse"), cpu, gpu):
+        torch.testing.assert_close(b.cpu().float(), a.float(), atol=2e-2, rtol=2e-2, msg=name)
+    rng = torch.empty(2, dtype=torch.uint64, device="cuda"), torch.empty((), dtype=torch.uint64, device="cuda")
+    grads_cpu = double.backward(dout, q, k, v, cpu[0], cpu[1], *lengths, 0.0, causal, None, None, **extra)
+    grads_gpu = ops._flash_attention_backward(dout.cuda(), q.cuda(), k.cuda(), v.cuda(), gpu[0], gpu[1],
+                                              *cuda_lengths, 0.0, causal, *rng, **extra)
+    for name, a, b in zip(("dq", "dk", "dv"), grads_cpu, grads_gpu):
+        torch.testing.assert_close(b.cpu().float(), a.float(), atol=5e-2, rtol=5e-2, msg=name)
+
+
+def _host_inputs(sq: int, sk: int, h: int, h_kv: int, d: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((2, sq, h, d), (2, sk, h_kv, d), (2, sk, h_kv, d), (2, sq, h, d))
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
 # ---------------------------------------------------------------------------------------------
 # Everywhere: the aten plumbing of TorchCUDAKernel, on the meta device
 # ---------------------------------------------------------------------------------------------
@@ -251,10 +354,11 @@ class _SpyAten:
 
     def __init__(self) -> None:
         self.calls: dict[str, tuple[Any, ...]] = {}
+        self.keywords: dict[str, dict[str, Any]] = {}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] = args
+            self.calls[name], self.keywords[name] = args, kwargs
             return getattr(torch.ops.aten, name)(*args, **kwargs)
 
         return call
@@ -265,19 +369,44 @@ def test_aten_plumbing_on_meta(flash: bool, dtype: torch.dtype, monkeypatch: pyt
     """Shapes, the GQA expansion of the efficient op and its lse padding, against this torch's op schemas."""
     spy = _SpyAten()
     monkeypatch.setattr(torch_cuda, "_aten", spy)
-    monkeypatch.setattr(torch_cuda, "_use_flash", lambda q, v: flash)
     q = torch.empty(2, 17, 8, 64, device="meta", dtype=dtype)
     k = v = torch.empty(2, 17, 2, 64, device="meta", dtype=dtype)
-    out, lse = TorchCUDAKernel().forward(q, k, v, causal=True, scale=0.125)
+    kernel = TorchCUDAKernel(flash=flash)
+    out, lse = kernel.forward(q, k, v, causal=True, scale=0.125)
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 8, 17) and lse.dtype == torch.float32
-    dq, dk, dv = TorchCUDAKernel().backward(out, q, k, v, out, lse, causal=True, scale=0.125)
+    dq, dk, dv = kernel.backward(out, q, k, v, out, lse, causal=True, scale=0.125)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape) and dk.dtype == dtype
     if flash:
-        assert spy.calls["_scaled_dot_product_flash_attention"][1].shape[1] == 2  # KV heads stay h_kv
-        assert spy.calls["_scaled_dot_product_flash_attention_backward"][5].shape == (2, 8, 17)
+        assert spy.calls["_flash_attention_forward"][1].shape[2] == 2  # KV heads stay h_kv, [b, s, h, d]
+        assert spy.calls["_flash_attention_forward"][8] is True and not spy.keywords["_flash_attention_forward"].get(
+            "window_size_left")  # plain causal: the flag, no window (torch 2.4's ops have none)
+        assert spy.calls["_flash_attention_backward"][5].shape == (2, 8, 17)
+        kernel.forward(q[:, :5], k, v, causal=True, window=3, diagonal=12, scale=0.125)  # a 5 x 17 band
+        assert spy.keywords["_flash_attention_forward"] == dict(scale=0.125, window_size_left=2, window_size_right=0)
     else:
         assert spy.calls["_scaled_dot_product_efficient_attention"][1].shape[1] == 8  # expanded to h
         assert spy.calls["_scaled_dot_product_efficient_attention_backward"][6].shape == (2, 8, 32)  # kAlignLSE
+
+
+def test_segments_plumbing_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The varlen call: [rows, h, d] views per batch element, int32 offsets, lse [b, h, rows] back."""
+    spy = _SpyAten()
+    monkeypatch.setattr(torch_cuda, "_aten", spy)
+    from ring_sp.kernels.base import Segments
+
+    q = torch.empty(2, 9, 8, 64, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(2, 7, 2, 64, device="meta", dtype=torch.bfloat16)
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device="meta") for c in ([0, 4, 9], [0, 3, 7]))
+    kernel = TorchCUDAKernel(flash=True)
+    assert kernel.supports_varlen and kernel.supports_window  # this torch: window arguments, lse [h, total_q]
+    out, lse = kernel.forward_segments(q, k, v, Segments(cu_q, cu_k, 5, 4, (-1, 0), False), scale=0.125)
+    assert out.shape == q.shape and lse.shape == (2, 8, 9)
+    assert spy.calls["_flash_attention_forward"][0].shape == (9, 8, 64) and spy.calls["_flash_attention_forward"][5] == 5
+    grads = kernel.backward_segments(out, q, k, v, out, lse, Segments(cu_q, cu_k, 5, 4, (-1, 0), False), scale=0.125)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert spy.calls["_flash_attention_backward"][5].shape == (8, 9)  # the global lse rows, dense [h, rows]
+    with pytest.raises(ValueError, match="takes no segments"):
+        TorchCUDAKernel(flash=False).forward_segments(q, k, v, Segments(cu_q, cu_k, 5, 4, (-1, 0), False), scale=0.1)
 
 
 # ---------------------------------------------------------------------------------------------

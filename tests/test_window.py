@@ -22,6 +22,7 @@ from ring_sp.kernels.torch_cpu import TorchCPUKernel
 from ring_sp.layouts import layout_positions
 from ring_sp.plan import Cluster, ModelShape, PlanError, Workload, layer_bytes, plan
 from ring_sp.schedule import BlockTask, exchange_plan, window_step_tasks
+from ring_sp.schedule.blocks import bottom_right_window
 
 PLAIN = ("contiguous", "zigzag", "striped")
 
@@ -34,15 +35,14 @@ def _windows(n_local: int, sp: int) -> list[int]:
 # ---- the schedule (pure) -------------------------------------------------------------------
 
 def _block_mask(task: BlockTask) -> torch.Tensor:
+    """The block's band ``lo < c - a <= hi`` written out (BlockTask's docstring)."""
     nq, nk = task.q.stop - task.q.start, task.kv.stop - task.kv.start
     a, c = torch.arange(nq).unsqueeze(1), torch.arange(nk).unsqueeze(0)
     mask = torch.ones(nq, nk, dtype=torch.bool)
-    if task.causal or task.window is not None:
-        assert nq == nk, f"masked blocks must be square: {task}"
     if task.causal:
-        mask &= c <= a
+        mask &= c - a <= task.diagonal
     if task.window is not None:
-        mask &= c > a - task.window
+        mask &= c - a > task.diagonal - task.window
     return mask
 
 
@@ -69,7 +69,12 @@ def test_window_blocks_cover_exactly_the_band(layout: str, world_size: int, nati
             for task in window_step_tasks(layout, rank, source, world_size, n_local, window, cu, native):
                 block = _block_mask(task)
                 assert block.sum() == task.visible_pairs() > 0, task
-                assert native or not (task.causal and task.window is not None), task
+                if native:  # one exact flash-attention window each, every row and key used
+                    bottom_right_window(block.shape[0], block.shape[1], task.causal, task.window, task.diagonal)
+                    assert block.any(1).all() and block.any(0).all(), task
+                else:  # squares only; bands cut into causal and edge squares
+                    assert task.diagonal == 0 and not (task.causal and task.window is not None), task
+                    assert block.shape[0] == block.shape[1] or not (task.causal or task.window), task
                 assert not (covered[task.q, task.kv] & block).any(), f"overlapping blocks: {task}"
                 covered[task.q, task.kv] |= block
             assert torch.equal(covered, truth), (layout, world_size, n_local, packed, window, rank, source)
@@ -138,12 +143,15 @@ def test_fused_cpu_edge_block_matches_the_explicit_mask(dtype: torch.dtype) -> N
 
 
 def test_flash_attn_window_arguments() -> None:
-    """flash-attn's (left, right) for our square blocks (its API; no GPU needed to check the mapping)."""
+    """flash-attn's (left, right) for our blocks (its API; no GPU needed to check the mapping):
+    square bands, the edge block, and bands of other shapes aligned bottom-right."""
     from ring_sp.kernels.flash_attn import _window_values
 
-    assert _window_values(True, 5)["window_size"] == (4, 0)  # band: a - 5 < c <= a
-    assert _window_values(False, 1)["window_size"] == (0, -1)  # edge: c >= a
-    assert _window_values(True, None) == {}
+    assert _window_values(6, 6, True, 5)["window_size"] == (4, 0)  # band: a - 5 < c <= a
+    assert _window_values(6, 6, False, 1)["window_size"] == (0, -1)  # edge: c >= a
+    assert _window_values(6, 6, True, None) == {"causal": True, "is_causal": True}
+    assert _window_values(3, 5, True, 2, 2)["window_size"] == (1, 0)  # 0 < c - a <= 2 on 3 x 5: bottom-right diagonal 2
+    assert _window_values(4, 4, True, 9)["causal"]  # a window past the block is plain causal
 
 
 @pytest.mark.parametrize("release", ["fa2.1", "fa2.3", "fa2.6", "fa3-2025", "fa3-newest"])

@@ -29,7 +29,6 @@ from .cudnn import CudnnKernel
 from .flash_attn import FlashAttnKernel
 from .reference import ReferenceKernel
 from .torch_cpu import TorchCPUKernel
-from .torch_cuda import TorchCUDAKernel
 
 __all__ = ["AUTO_ORDER", "AttentionKernel", "BACKENDS", "get_kernel", "softmax_stat_dtype", "unavailable_reason"]
 
@@ -89,20 +88,25 @@ def get_kernel(backend: str, device: torch.device, dtype: torch.dtype, head_dim:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    d_v = head_dim if value_head_dim is None else value_head_dim
     name = _auto_backend(device, dtype, head_dim, value_head_dim) if backend == "auto" else backend
     reason = unavailable_reason(name, device, dtype, head_dim, value_head_dim)
     if reason is not None:
         raise RuntimeError(f"backend={name!r} is unavailable: {reason}. Use backend='auto' or 'reference'.")
     if name in ("torch", "cudnn") and device.type == "cuda":  # the one place FA4 is switched on (see .fa4)
-        fa4.activate_if_available(device, dtype, head_dim, head_dim if value_head_dim is None else value_head_dim)
+        fa4.activate_if_available(device, dtype, head_dim, d_v)
     if name == "reference":
         return ReferenceKernel()
     if name == "torch":
-        return _torch_kernel(device)
+        return _torch_kernel(device, dtype, head_dim, d_v)
     if name == "cudnn":
-        return CudnnKernel(tail=_torch_kernel(device))
+        return CudnnKernel(tail=_torch_kernel(device, dtype, head_dim, d_v))
     return FlashAttnKernel()
 
 
-def _torch_kernel(device: torch.device) -> AttentionKernel:
-    return TorchCPUKernel() if device.type == "cpu" else TorchCUDAKernel()
+def _torch_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, value_head_dim: int) -> AttentionKernel:
+    """backend="torch": the CPU op on CPU, on CUDA the op that runs these tensors (fixed now, so the
+    schedule knows what it takes). tests/torch_flash_double.py routes CPU tensors to the CUDA kernel."""
+    if device.type == "cpu":
+        return TorchCPUKernel()
+    return torch_cuda.kernel_for(device, dtype, head_dim, value_head_dim)

@@ -184,28 +184,40 @@ def _no_dropout_rng() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class CudnnKernel(FusedKernel):
-    """cuDNN attention on blocks whose lengths are multiples of :data:`TILE`; ``tail``
-    (torch's fused kernel for the device) on the others. No window argument: the schedule
-    cuts bands into full, causal and edge blocks for it."""
+    """cuDNN attention on plain blocks (full, or square causal) whose lengths are multiples of
+    :data:`TILE`; ``tail`` (torch's fused kernel for the device) on every other block, and on
+    what only ``tail`` takes: bands (window arguments, ``supports_window``) and many blocks of a
+    step as one varlen call (``supports_varlen``), so windows and packed documents keep one call
+    per step (:mod:`ring_sp.schedule.calls`) while whole-shard blocks run on cuDNN."""
 
     name = "cudnn"
 
     def __init__(self, tail: AttentionKernel) -> None:
         self.tail = tail
 
-    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if not on_cudnn(q.shape[1], k.shape[1]):
-            return self.tail.forward(q, k, v, causal=causal, scale=scale)
+    @property
+    def supports_window(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.tail, "supports_window", False))
+
+    @property
+    def supports_varlen(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.tail, "supports_varlen", False))
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                 window: int | None = None, diagonal: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        if window is not None or diagonal or not on_cudnn(q.shape[1], k.shape[1]):
+            return self.tail.forward(q, k, v, causal=causal, scale=scale, window=window, diagonal=diagonal)
         out, lse = _call("_scaled_dot_product_cudnn_attention",
                          dict(_FIXED, query=_dense(q), key=_dense(k), value=_dense(v), is_causal=causal,
                               scale=scale))[:2]
         return out.transpose(1, 2), lse[..., 0] if lse.dim() == 4 else lse
 
     def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not on_cudnn(q.shape[1], k.shape[1]):
-            return self.tail.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+                  lse: torch.Tensor, causal: bool, scale: float, window: int | None = None,
+                  diagonal: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if window is not None or diagonal or not on_cudnn(q.shape[1], k.shape[1]):
+            return self.tail.backward(dout, q, k, v, out, lse, causal=causal, scale=scale, window=window,
+                                      diagonal=diagonal)
         seed, offset = _no_dropout_rng()
         grads = _call("_scaled_dot_product_cudnn_attention_backward", dict(
             _FIXED, grad_out=_dense(dout), query=_dense(q), key=_dense(k), value=_dense(v), out=_dense(out),
@@ -213,3 +225,10 @@ class CudnnKernel(FusedKernel):
             max_k=k.shape[1], is_causal=causal, scale=scale,
         ))
         return tuple(g.transpose(1, 2) for g in grads)  # type: ignore[return-value]
+
+    def forward_segments(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """A varlen call: the tail's (cuDNN's ragged path is not used)."""
+        return self.tail.forward_segments(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def backward_segments(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tail.backward_segments(*args, **kwargs)  # type: ignore[attr-defined]

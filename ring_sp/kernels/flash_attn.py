@@ -25,8 +25,11 @@ FA3 (hopper)   many optional inputs (k_new, qv, cu_seqlens_*, page_table, ...), 
 
 The forward returns (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state) before FA2 2.7
 and (out, softmax_lse, ...) from FA2 2.7 and in FA3. ``_forward`` and ``_backward`` below hold
-every one of these differences. A row that sees no key would get lse = +inf (not our -inf); the
-blocks the ring issues always contain their diagonal, so none occurs. Every FA2 signature runs
+every one of these differences. A row that sees no key would get lse = +inf (not our -inf); every
+row of a block the ring issues sees a key (square blocks contain their diagonal, bands are
+trimmed), so none occurs. Bands of any shape go in as bottom-right windows
+(:func:`ring_sp.schedule.bottom_right_window`), which flash-attn aligns that way from 2.1 and
+takes from 2.3. Every FA2 signature runs
 on CPU through the double in tests/flash_attn_double.py.
 """
 
@@ -40,6 +43,7 @@ from typing import Any
 
 import torch
 
+from ..schedule.blocks import bottom_right_window
 from .base import FusedKernel
 
 _NOT_INSTALLED = "flash-attn is not installed: pip install 'ring-sp[flash]' on a CUDA machine"
@@ -131,24 +135,27 @@ def _has_window(fa: ModuleType) -> bool:
     return all({"window_size", "window_size_left"} & set(_params(fn)) for fn in (fa._flash_attn_forward, fa._flash_attn_backward))
 
 
-def _window_values(causal: bool, window: int | None) -> dict[str, Any]:
-    """flash-attn's window arguments for a square block: key c visible iff a - left <= c <= a + right
-    (bottom-right aligned, = top-left on a square), -1 = unbounded. Ours: c > a - window, c <= a if causal."""
-    if window is None:
-        return {}
-    left, right = window - 1, 0 if causal else -1
-    return dict(window_size=(left, right), window_size_left=left, window_size_right=right)
+def _window_values(q_len: int, k_len: int, causal: bool, window: int | None, diagonal: int = 0) -> dict[str, Any]:
+    """flash-attn's causal flag and window arguments for a block: key c visible iff
+    a + k_len - q_len - left <= c <= a + k_len - q_len + right (bottom-right aligned), -1 =
+    unbounded. Ours: the band ``diagonal - window < c - a <= diagonal`` (``BlockTask``)."""
+    if window is None and not diagonal:
+        return dict(causal=causal, is_causal=causal)
+    left, right = bottom_right_window(q_len, k_len, causal, window, diagonal)
+    plain = (left, right) == (-1, 0)  # a causal mask flash-attn draws itself (it forces right = 0 when causal)
+    return dict(causal=plain, is_causal=plain, window_size=(left, right), window_size_left=left,
+                window_size_right=right)
 
 
 def _forward(
     fa: ModuleType, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-    window: int | None = None,
+    window: int | None = None, diagonal: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[b, sq, h, d]``, lse ``[b, h, sq]``) from any supported flash-attn release."""
     res = _call(
         fa._flash_attn_forward,
-        dict(_FIXED, q=q, k=k, v=v, softmax_scale=scale, causal=causal, return_softmax=False,
-             **_window_values(causal, window)),
+        dict(_FIXED, q=q, k=k, v=v, softmax_scale=scale, return_softmax=False,
+             **_window_values(q.shape[1], k.shape[1], causal, window, diagonal)),
     )
     return res[0], res[5] if len(res) == 8 else res[1]  # 8 items: FA2 < 2.7 (see the module docstring)
 
@@ -164,15 +171,16 @@ def _backward(
     causal: bool,
     scale: float,
     window: int | None = None,
+    diagonal: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq/dk/dv from any supported flash-attn release (every one writes into buffers we pass)."""
     dq, dk, dv = (torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
     _call(
         fa._flash_attn_backward,
         dict(
-            _FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-            softmax_scale=scale, causal=causal, is_causal=causal,
-            deterministic=torch.are_deterministic_algorithms_enabled(), **_window_values(causal, window),
+            _FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv, softmax_scale=scale,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            **_window_values(q.shape[1], k.shape[1], causal, window, diagonal),
         ),
     )
     return dq, dk, dv
@@ -185,14 +193,15 @@ class FlashAttnKernel(FusedKernel):
 
     @property
     def supports_window(self) -> bool:  # type: ignore[override]
-        """FA2 >= 2.3 and FA3 take ``window_size``; older releases get the schedule's cut blocks."""
+        """FA2 >= 2.3 and FA3 take ``window_size`` (so bands of any shape); older releases get the
+        schedule's cut blocks."""
         return _has_window(_module())
 
-    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward(_module(), q, k, v, causal, scale, window)
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                 window: int | None = None, diagonal: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        return _forward(_module(), q, k, v, causal, scale, window, diagonal)
 
     def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, causal: bool, scale: float,
-                  window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward(_module(), dout, q, k, v, out, lse, causal, scale, window)
+                  lse: torch.Tensor, causal: bool, scale: float, window: int | None = None,
+                  diagonal: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward(_module(), dout, q, k, v, out, lse, causal, scale, window, diagonal)

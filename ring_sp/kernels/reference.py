@@ -40,17 +40,28 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor |
 def window_mask(seq: int, causal: bool, window: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Square ``[seq, seq]`` mask of a ``window`` block (True = visible): key c > query a - window,
     and c <= a when ``causal`` (see :mod:`ring_sp.kernels.base`)."""
-    offset = torch.arange(seq, device=device).unsqueeze(0) - torch.arange(seq, device=device).unsqueeze(1)  # c - a
-    visible = offset > -window
-    return visible & (offset <= 0) if causal else visible
+    return band_mask(seq, seq, causal, window, 0, device)
+
+
+def band_mask(seq_q: int, seq_k: int, causal: bool, window: int | None, diagonal: int,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[seq_q, seq_k]`` mask of the band ``diagonal - window < c - a <= diagonal`` (True =
+    visible; the upper side only when ``causal``, the lower only with a ``window``)."""
+    offset = torch.arange(seq_k, device=device).unsqueeze(0) - torch.arange(seq_q, device=device).unsqueeze(1)  # c - a
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=device)
+    if causal:
+        visible &= offset <= diagonal
+    if window is not None:
+        visible &= offset > diagonal - window
+    return visible
 
 
 def _visible(causal: bool, mask: torch.Tensor | None, sq: int, sk: int, device: torch.device,
-             window: int | None = None) -> torch.Tensor | None:
-    if (causal or window is not None) and mask is not None:
-        raise ValueError("pass either causal=True / window or an explicit mask, not both")
-    if window is not None:
-        return window_mask(sq, causal, window, device)
+             window: int | None = None, diagonal: int = 0) -> torch.Tensor | None:
+    if (causal or window is not None or diagonal) and mask is not None:
+        raise ValueError("pass either causal=True / window / diagonal or an explicit mask, not both")
+    if window is not None or diagonal:
+        return band_mask(sq, sk, causal, window, diagonal, device)
     return causal_mask(sq, sk, device) if causal else mask
 
 
@@ -59,7 +70,9 @@ class ReferenceKernel:
     ``[b, h, sq, sk]``, True where a key is visible."""
 
     name = "reference"
-    supports_window = True  # any window, by its explicit mask
+    supports_window = True  # any band, by its explicit mask
+    supports_varlen = False
+    explicit_masks = True  # computes the whole rectangle of a masked block
     head_major = False
 
     def forward(
@@ -72,13 +85,14 @@ class ReferenceKernel:
         scale: float,
         mask: torch.Tensor | None = None,
         window: int | None = None,
+        diagonal: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if mask is None:
-            check_block_shapes(q, k, v, causal, window)
+            check_block_shapes(q, k, v, causal, window, diagonal, bands=True)
         compute = softmax_stat_dtype(q.dtype)
         h = q.shape[2]
         qc, kc, vc = q.to(compute), _expand_kv_heads(k.to(compute), h), _expand_kv_heads(v.to(compute), h)
-        s = _scores(qc, kc, scale, _visible(causal, mask, q.shape[1], k.shape[1], q.device, window))
+        s = _scores(qc, kc, scale, _visible(causal, mask, q.shape[1], k.shape[1], q.device, window, diagonal))
         lse = torch.logsumexp(s, dim=-1)  # [b, h, sq]; -inf for rows with no visible key
         p = torch.exp(s - _finite_or_zero(lse).unsqueeze(-1))
         out = torch.einsum("bhqk,bkhd->bqhd", p, vc)
@@ -97,12 +111,13 @@ class ReferenceKernel:
         scale: float,
         mask: torch.Tensor | None = None,
         window: int | None = None,
+        diagonal: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         compute = softmax_stat_dtype(q.dtype)
         h, h_kv = q.shape[2], k.shape[2]
         qc, kc, vc = q.to(compute), _expand_kv_heads(k.to(compute), h), _expand_kv_heads(v.to(compute), h)
         do, oc = dout.to(compute), out.to(compute)
-        s = _scores(qc, kc, scale, _visible(causal, mask, q.shape[1], k.shape[1], q.device, window))
+        s = _scores(qc, kc, scale, _visible(causal, mask, q.shape[1], k.shape[1], q.device, window, diagonal))
         p = torch.exp(s - _finite_or_zero(lse.to(compute)).unsqueeze(-1))  # global softmax rows
         dv = torch.einsum("bhqk,bqhd->bkhd", p, do)
         dp = torch.einsum("bqhd,bkhd->bhqk", do, vc)

@@ -8,7 +8,7 @@ after ``R`` sends, the last hop in the input dtype (:class:`RelayedGrads`,
 (:class:`DirectGrads`). With ``kv_exchange="all_gather"`` the partials of every source are
 added into one fp32 buffer and reduce-scattered home at the end (:class:`GatheredGrads`).
 
-Each route takes, per step, :meth:`begin`, :meth:`add` for each block as the kernel returns
+Each route takes, per step, :meth:`begin`, :meth:`add` for each kernel call as the kernel returns
 its gradients, :meth:`end`; :meth:`finish` hands the owner its dk and dv.
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from ..comm import PendingExchange
-from ..schedule import BlockTask
 from .kv_exchange import KVShape, Mail, PackedKV
 from .spec import RingSpec
 
@@ -46,10 +45,11 @@ class RelayedGrads:
             self.pending = None
             self.dkv, self.dkv_next = self.dkv_next, self.dkv
 
-    def add(self, task: BlockTask, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+    def add(self, keys: slice, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+        """A call's dk/dv partials for ``keys`` of the KV now held."""
         self._arrived()
-        self.dkv.k[:, task.kv] += dk_b
-        self.dkv.v[:, task.kv] += dv_b
+        self.dkv.k[:, keys] += dk_b
+        self.dkv.v[:, keys] += dv_b
 
     def end(self, step: int) -> None:
         self._arrived()  # a step without blocks still relays the accumulator it received
@@ -99,10 +99,10 @@ class DirectGrads:
                 self.target = self.mail.outgoing(step)
                 self.target.buf.zero_()
 
-    def add(self, task: BlockTask, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+    def add(self, keys: slice, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
         self._collect()
-        self.target.k[:, task.kv] += dk_b  # type: ignore[union-attr]  # (blocks only where rows arrived)
-        self.target.v[:, task.kv] += dv_b  # type: ignore[union-attr]
+        self.target.k[:, keys] += dk_b  # type: ignore[union-attr]  # (blocks only where rows arrived)
+        self.target.v[:, keys] += dv_b  # type: ignore[union-attr]
 
     def end(self, step: int) -> None:
         if step:
@@ -132,8 +132,8 @@ class GatheredGrads:
         rows = self.spec.recv_rows[step]
         self.first = 0 if step == 0 or rows is None else rows[0]  # key slices are relative to the rows used
 
-    def add(self, task: BlockTask, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
-        kv = slice(task.kv.start + self.first, task.kv.stop + self.first)
+    def add(self, keys: slice, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
+        kv = slice(keys.start + self.first, keys.stop + self.first)
         self.into.k[:, kv] += dk_b
         self.into.v[:, kv] += dv_b
 

@@ -7,7 +7,8 @@ shard of rank ``r - t``, which arrives while the previous step computes
 (:attr:`RingSpec.schedule`), so every layout shares these two loops. Forward, each block's
 output merges into fp32 rows; attention sinks fold into the merged rows once, at the end
 (:func:`ring_sp.merge.fold_sinks`). Backward, ``dq`` stays local and the dK/dV partials go
-home by one of the routes of :mod:`.grad_exchange`.
+home by one of the routes of :mod:`.grad_exchange`. A step's blocks reach the kernel as its
+kernel calls (:mod:`.calls`): one block each, or many as one varlen call over their rows.
 
 ``kv_exchange="all_gather"`` (:attr:`RingSpec.gather_kv`) runs the SAME two loops over the
 same schedule, only the KV of step ``t`` comes from one all-gather instead of a message and
@@ -22,29 +23,27 @@ import torch
 
 from ..kernels import softmax_stat_dtype
 from ..merge import fold_sinks, merge_block_
-from ..schedule import BlockTask
+from .calls import Launch, call_backward, call_forward
 from .grad_exchange import DirectGrads, GatheredGrads, RelayedGrads
 from .kv_exchange import KVShape, PackedKV, kv_mail
 from .spec import RingSpec
 
 
-def _covers(task: BlockTask, q: torch.Tensor, k: torch.Tensor) -> bool:
-    """The block is the whole local problem (one kernel call does everything)."""
-    return task.q == slice(0, q.shape[1]) and task.kv == slice(0, k.shape[1])
+def _covers(launch: Launch, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The call is the whole local problem (one kernel call does everything)."""
+    return launch.call.q == slice(0, q.shape[1]) and launch.call.kv == slice(0, k.shape[1])
 
 
-def _block_forward(spec: RingSpec, task: BlockTask, q: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on one block: ``task``'s query rows of ``q`` against its keys of ``k``/``v``."""
-    return spec.kernel.forward(q[:, task.q], k[:, task.kv], v[:, task.kv], causal=task.causal, scale=spec.scale,
-                               window=task.window)
+def _call_forward(spec: RingSpec, launch: Launch, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on one call: (out, lse) of its rows ``launch.call.q``."""
+    return call_forward(spec.kernel, spec.scale, launch, q, k, v)
 
 
-def _block_backward(spec: RingSpec, task: BlockTask, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The kernel's gradients of one block, given the global ``out`` and ``lse`` rows."""
-    return spec.kernel.backward(dout[:, task.q], q[:, task.q], k[:, task.kv], v[:, task.kv], out[:, task.q],
-                                lse[:, :, task.q], causal=task.causal, scale=spec.scale, window=task.window)
+def _call_backward(spec: RingSpec, launch: Launch, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernel's gradients of one call, given the global ``out`` and ``lse`` rows."""
+    return call_backward(spec.kernel, spec.scale, launch, dout, q, k, v, out, lse)
 
 
 def _dense(x: torch.Tensor) -> torch.Tensor:
@@ -76,18 +75,19 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
     lse = torch.full((b, h, n), float("-inf"), dtype=acc_dtype, device=q.device)
     own = PackedKV.of(k, v)
     mail = kv_mail(spec, own, KVShape.of(k, v))
-    for step, tasks in spec.steps():
+    for step, launches in spec.steps(q.device):
         kv = own if step == 0 else mail.received(step)  # arrived: waited at the end of the previous step
         pending = mail.post(step + 1)
         written: list[slice] = []  # rows filled at step 0: a first write is a copy, not a merge
-        for task in tasks:
-            out_b, lse_b = _block_forward(spec, task, q, kv.k, kv.v)
-            if step == 0 and all(task.q.stop <= w.start or task.q.start >= w.stop for w in written):
-                out[:, task.q].copy_(out_b)
-                lse[:, :, task.q].copy_(lse_b)
-                written.append(task.q)
+        for launch in launches:
+            rows = launch.call.q
+            out_b, lse_b = _call_forward(spec, launch, q, kv.k, kv.v)
+            if step == 0 and all(rows.stop <= w.start or rows.start >= w.stop for w in written):
+                out[:, rows].copy_(out_b)
+                lse[:, :, rows].copy_(lse_b)
+                written.append(rows)
             else:
-                merge_block_(out[:, task.q], lse[:, :, task.q], out_b, lse_b)
+                merge_block_(out[:, rows], lse[:, :, rows], out_b, lse_b)
         if pending is not None:
             pending.wait()
     return _finish(out, lse, sinks, q.dtype)
@@ -96,18 +96,18 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSp
 def _local_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: RingSpec,
                    sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ring_forward` on one rank: each block's result goes straight to the output."""
-    (tasks,) = spec.schedule
-    if len(tasks) == 1 and _covers(tasks[0], q, k):
-        out, lse = _block_forward(spec, tasks[0], q, k, v)
+    (launches,) = spec.calls.launches(q.device)
+    if len(launches) == 1 and _covers(launches[0], q, k):
+        out, lse = _call_forward(spec, launches[0], q, k, v)
         return _finish(out, lse, sinks, q.dtype)
-    # rows no block covers (none see a key) stay 0 with lse -inf
+    # rows no call covers (none see a key) stay 0 with lse -inf
     out = torch.zeros((*q.shape[:3], v.shape[3]), dtype=q.dtype if sinks is None else softmax_stat_dtype(q.dtype),
                       device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=softmax_stat_dtype(q.dtype), device=q.device)
-    for task in tasks:
-        out_b, lse_b = _block_forward(spec, task, q, k, v)
-        out[:, task.q] = out_b
-        lse[:, :, task.q] = lse_b
+    for launch in launches:
+        out_b, lse_b = _call_forward(spec, launch, q, k, v)
+        out[:, launch.call.q] = out_b
+        lse[:, :, launch.call.q] = lse_b
     return _finish(out, lse, sinks, q.dtype)
 
 
@@ -131,7 +131,7 @@ def ring_backward(
     further, as Ulysses does for replicated KV heads). dq comes back unrounded (float32,
     or the kernel's dtype on one rank): the caller casts once.
     """
-    if spec.local:
+    if spec.world_size == 1:  # one rank (its calls may share rows: their sums are all there is to do)
         return _local_backward(dout, q, k, v, out, lse, spec)
     acc_dtype = softmax_stat_dtype(q.dtype)
     # Accumulators are allocated explicitly: ``x.to(torch.float32)`` would alias an fp32 x.
@@ -142,44 +142,44 @@ def ring_backward(
     dout = _dense(dout)
     route = (GatheredGrads if spec.gather_kv else RelayedGrads if spec.relay_dkv else DirectGrads)(
         spec, shape, k.shape[1], acc_dtype, k.device)
-    for step, tasks in spec.steps():
+    for step, launches in spec.steps(q.device):
         kv = own if step == 0 else mail.received(step)
         kv_pending = mail.post(step + 1)
         route.begin(step)
-        for task in tasks:
-            _add_block_grads(spec, task, dq, route, dout, q, kv, out, lse)
+        for launch in launches:
+            _add_call_grads(spec, launch, dq, route, dout, q, kv, out, lse)
         route.end(step)
         if kv_pending is not None:
             kv_pending.wait()
     return (dq, *route.finish(deliver_dtype))
 
 
-def _add_block_grads(spec: RingSpec, task: BlockTask, dq: torch.Tensor,
-                     route: RelayedGrads | DirectGrads | GatheredGrads,
-                     dout: torch.Tensor, q: torch.Tensor, kv: PackedKV, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """One block's gradients, added as soon as the kernel returns them: its dq into ``dq``,
+def _add_call_grads(spec: RingSpec, launch: Launch, dq: torch.Tensor,
+                    route: RelayedGrads | DirectGrads | GatheredGrads,
+                    dout: torch.Tensor, q: torch.Tensor, kv: PackedKV, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """One call's gradients, added as soon as the kernel returns them: its dq into ``dq``,
     its dk/dv (``h_kv`` wide) into the route's accumulator. Their only references are this
-    call's locals, so at most one block's gradients are alive at a time (the planner's minimum)."""
-    dq_b, dk_b, dv_b = _block_backward(spec, task, dout, q, kv.k, kv.v, out, lse)
-    dq[:, task.q] += dq_b
-    route.add(task, dk_b, dv_b)
+    call's locals, so at most one call's gradients are alive at a time (the planner's minimum)."""
+    dq_b, dk_b, dv_b = _call_backward(spec, launch, dout, q, kv.k, kv.v, out, lse)
+    dq[:, launch.call.q] += dq_b
+    route.add(launch.call.kv, dk_b, dv_b)
 
 
 def _local_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, spec: RingSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`ring_backward` on one rank: the kernel's gradients as they come for a single
-    block, else summed per block (documents: one block per document)."""
-    (tasks,) = spec.schedule
-    if len(tasks) == 1 and _covers(tasks[0], q, k):
-        return _block_backward(spec, tasks[0], dout, q, k, v, out, lse)
+    call, else summed per call (documents: one block per document, or one varlen call)."""
+    (launches,) = spec.calls.launches(q.device)
+    if len(launches) == 1 and _covers(launches[0], q, k):
+        return _call_backward(spec, launches[0], dout, q, k, v, out, lse)
     acc_dtype = softmax_stat_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
     dout = _dense(dout)
-    for task in tasks:
-        dq_b, dk_b, dv_b = _block_backward(spec, task, dout, q, k, v, out, lse)
-        dq[:, task.q] += dq_b
-        dk[:, task.kv] += dk_b
-        dv[:, task.kv] += dv_b
+    for launch in launches:
+        dq_b, dk_b, dv_b = _call_backward(spec, launch, dout, q, k, v, out, lse)
+        dq[:, launch.call.q] += dq_b
+        dk[:, launch.call.kv] += dk_b
+        dv[:, launch.call.kv] += dv_b
     return dq, dk, dv

@@ -2,9 +2,10 @@
 mask, the kernel and the schedule of the whole pass) and :func:`ring_comm_for`.
 
 The layout (and mask) only enters through the schedule, :func:`ring_sp.schedule.exchange_plan`:
-which blocks each step computes and which rows of KV each step receives and sends. With
-documents building it is the costly part of a call, so it is built once per distinct
-problem and reused from the group's :class:`~ring_sp.schedule_cache.ScheduleCache`.
+which blocks each step computes and which rows of KV each step receives and sends, and the
+kernel calls that compute them (:class:`~.calls.CallPlan`). With documents building it is the
+costly part of a call, so it is built once per distinct problem and reused from the group's
+:class:`~ring_sp.schedule_cache.ScheduleCache`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import torch.distributed as dist
 from ..comm import PendingExchange, RingComm
 from ..kernels import AttentionKernel
 from ..layouts import Boundaries
-from ..schedule import BlockTask, ExchangePlan, exchange_plan
+from ..schedule import BlockTask, ExchangePlan, KernelCaps, exchange_plan
 from ..schedule_cache import ScheduleCache
+from .calls import CallPlan, Launch, kernel_caps
 
 
 class RingSpec:
@@ -46,27 +48,29 @@ class RingSpec:
         # (rank - t) mod R. With documents this is the costly part, so it is built once per
         # distinct key and reused by every layer from ``schedules`` (the group's cache). Who
         # exchanges at step t: this rank receives from r - t iff it computes something, and
-        # sends to r + t iff that rank does (with a window; without one, every step).
-        native = bool(getattr(kernel, "supports_window", False))
+        # sends to r + t iff that rank does (with a window; without one, every step). The
+        # kernel's capabilities decide how bands are cut and how blocks group into calls.
+        caps = kernel_caps(kernel)
         planner = self.exchange_planner
-        key = (layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window, native, ulysses_size,
+        key = (layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window, caps, ulysses_size,
                planner)
 
         def build() -> tuple:
             return _ring_schedule(planner, layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
-                                  native, ulysses_size)
+                                  caps, ulysses_size)
 
-        self.schedule, self.recv_rows, self.send_rows = build() if schedules is None else schedules.get(key, build)
+        self.schedule, self.recv_rows, self.send_rows, self.calls = (build() if schedules is None
+                                                                     else schedules.get(key, build))
         self.relay_dkv = window is None
         # all_gather: the KV of every step is a view of one gathered buffer (ring_sp.ring.kv_exchange)
         self.gather_kv = kv_exchange == "all_gather" and self.world_size > 1
-        # One rank whose blocks never share a query row: nothing to merge, so no fp32
-        # accumulators (the Ulysses-only case; documents give one block per document).
-        self.local = self.world_size == 1 and _rows_disjoint(self.schedule[0])
+        # One rank whose calls never share a query row: nothing to merge, so no fp32
+        # accumulators (the Ulysses-only case; documents give one call, or one block per document).
+        self.local = self.world_size == 1 and self.calls.rows_disjoint(0)
 
-    def steps(self):
-        """(step, tasks) for every step of the ring."""
-        return enumerate(self.schedule)
+    def steps(self, device: torch.device) -> enumerate[tuple[Launch, ...]]:
+        """(step, its kernel calls on ``device``) for every step of the ring."""
+        return enumerate(self.calls.launches(device))
 
     def rotate(self, send: torch.Tensor, recv: torch.Tensor, kind: str) -> PendingExchange:
         """Neighbour exchange (the relayed dK/dV accumulator): send -> rank + 1, recv <- rank - 1."""
@@ -75,10 +79,10 @@ class RingSpec:
 
 
 def _ring_schedule(planner: Callable[..., ExchangePlan], layout: str, causal: bool, rank: int, world_size: int,
-                   local_len: int, cu_seqlens: Boundaries | None, window: int | None, native_window: bool,
+                   local_len: int, cu_seqlens: Boundaries | None, window: int | None, caps: KernelCaps,
                    ulysses_size: int) -> tuple:
-    """(schedule, recv_rows, send_rows) of :class:`RingSpec` (see :func:`ring_sp.schedule.exchange_plan`)."""
-    plan = planner(layout, causal, rank, world_size, local_len, cu_seqlens, window, native_window,
+    """(schedule, recv_rows, send_rows, calls) of :class:`RingSpec` (see :func:`ring_sp.schedule.exchange_plan`)."""
+    plan = planner(layout, causal, rank, world_size, local_len, cu_seqlens, window, caps.bands,
                    ulysses_size=ulysses_size)
     # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
     schedule = tuple(
@@ -86,16 +90,11 @@ def _ring_schedule(planner: Callable[..., ExchangePlan], layout: str, causal: bo
         else tuple(_kv_shifted(t, -plan.recv_rows[step][0]) for t in tasks)
         for step, tasks in enumerate(plan.schedule)
     )
-    return schedule, plan.recv_rows, plan.send_rows
+    return schedule, plan.recv_rows, plan.send_rows, CallPlan(schedule, caps)
 
 
 def _kv_shifted(task: BlockTask, offset: int) -> BlockTask:
-    return BlockTask(task.q, slice(task.kv.start + offset, task.kv.stop + offset), task.causal, task.window)
-
-
-def _rows_disjoint(tasks: tuple[BlockTask, ...]) -> bool:
-    spans = sorted((t.q.start, t.q.stop) for t in tasks)
-    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    return task._replace(kv=slice(task.kv.start + offset, task.kv.stop + offset))
 
 
 def ring_comm_for(group: dist.ProcessGroup | None) -> RingComm | None:

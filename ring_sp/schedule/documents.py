@@ -139,7 +139,7 @@ def _tasks_of(blocks: _Blocks, group: torch.Tensor | None = None) -> list[tuple[
     qa, qb, ka, kb, causal = (t.tolist() for t in blocks)
     # tuple.__new__ straight: a NamedTuple's own __new__ is one more Python call per block (a third of this loop)
     tasks = [_new_tuple(BlockTask, fields) for fields in
-             zip(map(slice, qa, qb), map(slice, ka, kb), map((1).__eq__, causal), itertools.repeat(None))]
+             zip(map(slice, qa, qb), map(slice, ka, kb), map((1).__eq__, causal), itertools.repeat(None), itertools.repeat(0))]
     if group is None:
         return [tuple(tasks)]
     ends = torch.unique_consecutive(group, return_counts=True)[1].cumsum(0).tolist()

@@ -3,13 +3,15 @@ rows each step exchanges: pure functions of the layout, the mask and the two ran
 apart from the ring loops (:mod:`ring_sp.ring`) so they can be tested exhaustively without
 processes. :mod:`.blocks` holds the block type and the plain layouts' steps,
 :mod:`.documents` cuts them per packed document (``cu_seqlens``), :mod:`.windows` per
-sliding window, and :mod:`.ring_pass` puts a rank's whole pass together (the step
-dispatcher, the work per rank and the :class:`ExchangePlan` the ring runs).
+sliding window, :mod:`.spans` adds the blocks of bidirectional spans, and :mod:`.ring_pass`
+puts a rank's whole pass together (the step dispatcher, the work per rank and the
+:class:`ExchangePlan` the ring runs).
 """
 
 from .blocks import BlockTask, interval_blocks, ring_step_tasks
 from .documents import document_zigzag_steps, packed_step_tasks
 from .ring_pass import ExchangePlan, Rows, causal_work_per_rank, exchange_plan, step_tasks
+from .spans import span_step_tasks
 from .windows import band_blocks, window_step_tasks
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "interval_blocks",
     "packed_step_tasks",
     "ring_step_tasks",
+    "span_step_tasks",
     "step_tasks",
     "window_step_tasks",
 ]

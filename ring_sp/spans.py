@@ -35,11 +35,16 @@ def _describe(x: object) -> str:
 
 
 def as_spans(spans: torch.Tensor | Sequence[Sequence[int]] | None, *, name: str = "spans") -> Spans | None:
-    """``spans`` (an integer tensor ``[num_spans, 2]`` or a sequence of (start, stop) pairs) as a
-    flat :data:`Spans` tuple; None stays None. Raises ``TypeError`` for any other form. A CUDA
-    tensor costs one device-to-host copy."""
+    """``spans`` (an integer tensor ``[num_spans, 2]``, a sequence of (start, stop) pairs, or already
+    a flat :data:`Spans` tuple of ints) as a flat :data:`Spans` tuple; None stays None. Raises
+    ``TypeError`` for any other form. A CUDA tensor costs one device-to-host copy."""
     if spans is None:
         return None
+    if isinstance(spans, tuple) and spans and all(isinstance(x, int) and not isinstance(x, bool) for x in spans):
+        if len(spans) % 2:
+            raise TypeError(f"{name} as a flat tuple must hold (start, stop) pairs: an even number of ints; got "
+                            f"{len(spans)}")
+        return spans
     if isinstance(spans, torch.Tensor):
         if spans.is_floating_point() or spans.is_complex() or spans.dtype == torch.bool or spans.dim() != 2 \
                 or spans.shape[1] != 2:

@@ -22,6 +22,7 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 import torch  # noqa: E402
 
+from ring_sp.kernels.reference import causal_mask, window_mask  # noqa: E402
 from ring_sp.layouts import ring_positions  # noqa: E402
 from ring_sp.schedule import BlockTask, span_step_tasks, step_tasks  # noqa: E402
 
@@ -35,14 +36,11 @@ COLOURS = ("#ffffff", "#4c72b0", "#a6bddb", "#f5a05a", "#d62728")
 
 
 def _block_pairs(task: BlockTask) -> torch.Tensor:
+    """The pairs a block computes, as the reference kernel's masks state them."""
     nq, nk = task.q.stop - task.q.start, task.kv.stop - task.kv.start
-    a, c = torch.arange(nq).unsqueeze(1), torch.arange(nk).unsqueeze(0)
-    seen = torch.ones(nq, nk, dtype=torch.bool)
-    if task.causal:
-        seen &= c <= a
     if task.window is not None:
-        seen &= c > a - task.window
-    return seen
+        return window_mask(nq, task.causal, task.window)
+    return causal_mask(nq, nk) if task.causal else torch.ones(nq, nk, dtype=torch.bool)
 
 
 def step_classes(rank: int, source: int) -> tuple[torch.Tensor, list[tuple[BlockTask, int]]]:

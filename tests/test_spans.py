@@ -10,8 +10,9 @@ span's last token when i lies in a span, else i (Gemma 3's AND(window, OR(causal
   shards, and the exchange is the causal one;
 * malformed spans (overlapping, crossing a document, unsorted, another rank's) are clear
   errors, on every rank;
-* the distributed paths (ring, Ulysses, grids, fp32/bf16, with and without windows) against
-  the float64 oracle with the explicit mask, an fp64 gradcheck, and the bytes sent.
+* the distributed paths (ring, Ulysses, grids, fp32/bf16, with and without windows, PyTorch's
+  fused op and flash-attn's API through its CPU double) against the float64 oracle with the
+  explicit mask, an fp64 gradcheck, and the bytes sent.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 import ring_sp
 from dist_cases import AttnCase, check_attention_cases, gradcheck_case, random_documents, random_spans
+from flash_attn_double import run_installed
 from ring_sp.layouts import ring_positions
 from ring_sp.schedule import BlockTask, causal_work_per_rank, exchange_plan, step_tasks
 from ring_sp.spans import as_spans, check_spans, spans_from_block_ids
@@ -250,6 +252,11 @@ def spans_on_four_ranks() -> dict[str, object]:
     check_attention_cases(_cases("hybrid", 1, 2, ("contiguous",), windows=(None,)))
     check_attention_cases(_cases("hybrid", 2, 1, ("zigzag",), windows=(3,)))
     results["gradcheck"] = gradcheck_case("hybrid", "zigzag", True, 1, 2, spans=[(0, 3)])
+    # flash-attn's API (the CPU double): edge blocks through its window arguments
+    run_installed("2.7", check_attention_cases, [
+        AttnCase("ring", layout, True, 1, 8, 4, 2, 16, "bf16", seed=5, ring=4, backend="flash_attn", spans=True,
+                 packed=layout == "document_zigzag", window=window)
+        for layout, window in (("zigzag", None), ("document_zigzag", 3))])
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 12, h, 8, generator=g, requires_grad=True) for h in (4, 2, 2))

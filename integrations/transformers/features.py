@@ -7,7 +7,10 @@ not support yet raises :class:`UnsupportedFeatureError` naming the model, the fe
 the fix. Sliding windows (the layer's ``sliding_window``: query ``i`` sees keys
 ``i - W < j <= i``, transformers' ``sliding_window_overlay`` and ring_sp's meaning) and
 attention sinks (gpt-oss's ``s_aux``: one logit per head joined to the scores unscaled and
-dropped after the softmax, ring_sp's ``sinks=``) pass straight through.
+dropped after the softmax, ring_sp's ``sinks=``) pass straight through, and so do the shard's
+bidirectional spans (``"ring_sp_spans"``, :mod:`.multimodal`). A mask in which tokens see
+later ones (transformers' OR overlays: image blocks, prefixes) is found by
+:func:`sees_later_tokens` in the mask hook and refused unless the call carries those spans.
 
 :func:`check_model_config` is the model-wide part of the same checks, run by the mask hook
 once per forward before the first layer, so a model whose LATER layers use chunked

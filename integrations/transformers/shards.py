@@ -16,8 +16,8 @@ checks compare:
   shard was cut from, the same on every rank (a rank fed another batch);
 * in the model's forward (:func:`inputs_error`, installed by ``register``): a checksum of
   the shard's ``input_ids`` and, when given, ``shift_labels`` (another rank's, or unshifted),
-  and of a vision-language shard's images (``pixel_values`` and the image token rows:
-  dropped, or another rank's);
+  and of a vision-language shard's images (the shape of ``pixel_values`` and the image token
+  rows: dropped, or another rank's);
 * in ``causal_lm_loss`` (:func:`loss_labels_error` with the fingerprint of the forward that made
   the logits, :func:`fingerprint_of`): the labels' checksum.
 
@@ -63,17 +63,14 @@ def batch_checksum(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 def images_checksum(pixel_values: object, rows: object) -> torch.Tensor | None:
-    """Checksum of a shard's images: the bits of ``pixel_values`` and the image token ``rows`` (0-d,
-    no host sync); None when the call has neither."""
+    """Checksum of a shard's images: the shape of ``pixel_values`` (how many images, their size)
+    and the image token ``rows`` (0-d, no host sync); None when the call has neither. Not the
+    pixels themselves: a cast to the model's dtype (the Trainer's under DeepSpeed) must pass."""
     if not isinstance(pixel_values, torch.Tensor) and not isinstance(rows, torch.Tensor):
         return None
-    sums = [token_checksum(x) if isinstance(x, torch.Tensor) and not x.is_floating_point() else
-            token_checksum(x.detach().contiguous().view(_BITS[x.element_size()])) if isinstance(x, torch.Tensor) else
-            torch.tensor(-1) for x in (pixel_values, rows)]
-    return sums[0].cpu() * 1000003 + sums[1].cpu()
-
-
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # floats' bits as ints of their width
+    shape = torch.tensor(pixel_values.shape if isinstance(pixel_values, torch.Tensor) else (-1,))
+    rows_sum = token_checksum(rows).cpu() if isinstance(rows, torch.Tensor) else torch.tensor(-1)
+    return token_checksum(shape) * 1000003 + rows_sum
 
 
 def fingerprint(*, sp_size: int, sp_rank: int, layout: str, global_len: int, boundaries: Boundaries | None,

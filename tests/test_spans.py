@@ -228,6 +228,28 @@ def test_shard_batch_checks_and_returns_the_spans() -> None:
                             spans=[(4, 8)])
 
 
+def test_sequence_parallel_attention_takes_spans_on_one_rank(single_rank) -> None:
+    """The module's entry, on a group of one rank (the blocks share rows: merged, no ring to relay
+    on), forward and backward against the oracle; the same spans given as a tensor."""
+    from dist_cases import AttnCase, case_mask
+    from oracle import GRAD_TOL, OUT_TOL, assert_close, make_inputs, oracle_results
+
+    spans, cu = [(1, 5), (7, 8), (9, 15)], (0, 9, 16)
+    inputs = make_inputs(3, 1, 16, 4, 2, 8, torch.float64)
+    mask = case_mask(AttnCase("ring", window=3), 16, cu, spans)
+    expected = oracle_results(inputs, causal=True, mask=mask)
+    attn = ring_sp.SequenceParallelAttention(ring_sp.init_sequence_parallel(1, 1), causal=True, layout="contiguous",
+                                             sliding_window=3)
+    q, k, v = (inputs[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    out = attn(q, k, v, cu_seqlens=list(cu), spans=torch.tensor(spans))
+    out.backward(inputs["dout"])
+    assert_close("out", out, expected["out"], OUT_TOL[torch.float64])
+    for name, leaf in (("dq", q), ("dk", k), ("dv", v)):
+        assert_close(name, leaf.grad, expected[name], GRAD_TOL[torch.float64])
+    with pytest.raises(ValueError, match="crosses a document"):
+        attn(q, k, v, cu_seqlens=list(cu), spans=[(7, 10)])
+
+
 # ---- the distributed paths against the oracle ------------------------------------------------
 
 def _cases(mode: str, u: int, r: int, layouts: tuple[str, ...], dtypes=("fp32", "bf16"), seeds=range(1),

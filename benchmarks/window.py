@@ -98,10 +98,10 @@ def modelled(seq_len: int, window: int, ranks: int, layout: str, bandwidth: floa
 
 def _full_rotation_planner(layout: str, causal: bool, rank: int, world_size: int, local_len: int,
                            cu_seqlens=None, window: int | None = None, native_window: bool = False, *,
-                           ulysses_size: int = 1) -> ExchangePlan:
+                           ulysses_size: int = 1, spans=None) -> ExchangePlan:
     """:func:`ring_sp.schedule.exchange_plan` with every shard moved at every step when windowed."""
     plan_ = exchange_plan(layout, causal, rank, world_size, local_len, cu_seqlens, window, native_window,
-                          ulysses_size=ulysses_size)
+                          ulysses_size=ulysses_size, spans=spans)
     return plan_ if window is None else _full_rotation(plan_, local_len)
 
 

@@ -71,7 +71,7 @@ class CallSignature:
     def of(q: object, k: object, v: object, *, causal: object, layout: object, softmax_scale: object,
            backend: object, ulysses_size: int, ring_size: int, cu_seqlens: tuple[int, ...] | None = None,
            sinks: object = None, sliding_window: object = None, kv_exchange: object = "ring",
-           head_chunks: object = None) -> CallSignature:
+           head_chunks: object = None, spans: tuple[int, ...] | None = None) -> CallSignature:
         def shape(t: object) -> tuple[int, int, int, int]:
             dims = tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else (-1, -1, -1, -1)
             return dims  # type: ignore[return-value]
@@ -83,11 +83,12 @@ class CallSignature:
         device = q.device.type if isinstance(q, torch.Tensor) else "?"
         values = (*shape(q), *shape(k), *shape(v), code(dtype, _DTYPES), code(device, ("cpu", "cuda")),
                   int(causal is True), code(layout, LAYOUTS), code(backend, BACKENDS), _scale_bits(softmax_scale), ulysses_size, ring_size,
-                  -1 if cu_seqlens is None else len(cu_seqlens), _checksum(cu_seqlens), *_sinks_code(sinks),
+                  -1 if cu_seqlens is None else len(cu_seqlens), _masks_checksum(cu_seqlens, spans), *_sinks_code(sinks),
                   _window_code(sliding_window), code(kv_exchange, KV_EXCHANGES), _chunks_code(head_chunks))
         text = (f"q {shape(q)}, k {shape(k)}, v {shape(v)}, dtype {dtype}, device {device}, causal={causal!r}, "
                 f"layout={layout!r}, softmax_scale={softmax_scale!r}, backend={backend!r}, ulysses x ring = {ulysses_size} x {ring_size}, "
                 f"cu_seqlens={'None' if cu_seqlens is None else f'{len(cu_seqlens) - 1} documents (checksum {_checksum(cu_seqlens)})'}, "
+                f"spans={'None' if spans is None else f'{len(spans) // 2} spans (checksum {_checksum(spans)})'}, "
                 f"sinks={_describe_sinks(sinks)}, sliding_window={sliding_window!r}, kv_exchange={kv_exchange!r}, "
                 f"head_chunks={head_chunks!r}")
         return CallSignature.named("attention", values, text)
@@ -134,6 +135,14 @@ def _chunks_code(head_chunks: object) -> int:
 def _checksum(values: tuple[int, ...] | None) -> int:
     """Order-sensitive and equal on every process (unlike str hashes, int tuple hashes are not salted)."""
     return -1 if values is None else hash(values) & (2**62 - 1)
+
+
+def _masks_checksum(cu_seqlens: tuple[int, ...] | None, spans: tuple[int, ...] | None) -> int:
+    """The documents' checksum, or with spans that of documents and spans together (one value:
+    the row keeps its size)."""
+    if spans is None:
+        return _checksum(cu_seqlens)
+    return _checksum((-1 if cu_seqlens is None else len(cu_seqlens), *(cu_seqlens or ()), *spans))
 
 
 def _scale_bits(softmax_scale: object) -> int:

@@ -37,6 +37,7 @@ from .recompute import reuse_requested
 from .ring import RingSpec, ring_comm_for
 from .schedule_cache import schedule_cache
 from .shapes import HEAD_CHUNKS_AUTO, check_ulysses_heads
+from .spans import Spans, as_spans, check_spans
 from .topology import SequenceParallelTopology
 from .validation import (check_cu_seqlens, check_group, check_head_chunk_split, check_head_chunks, check_kv_exchange,
                          check_local_length, check_options, check_qkv, check_sinks, check_sliding_window,
@@ -64,6 +65,7 @@ def _prepare(
     sliding_window: int | None = None,
     kv_exchange: str = "ring",
     head_chunks: int | str | None = None,
+    spans: Spans | None = None,
 ) -> tuple[RingSpec, UlyssesSpec | None, int]:
     """Every local check, then the plan of the call (its ring, its Ulysses side, its number of
     head chunks). Raises before any collective."""
@@ -78,6 +80,8 @@ def _prepare(
     global_len = q.shape[1] * u * r
     if cu_seqlens is not None or layout == "document_zigzag":
         check_layout(layout, u * r, global_len, name="the global length (q.shape[1] x SP size)", cu_seqlens=cu_seqlens)
+    if spans is not None:
+        check_spans(spans, global_len, cu_seqlens, causal=causal)
     if u > 1:
         check_ulysses_heads(q.shape[2], k.shape[2], u)
     if return_lse and u > 1:
@@ -100,7 +104,7 @@ def _prepare(
     assert owner is not None  # every entry point passes one group at least
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
                     resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens, window=window,
-                    ulysses_size=u, schedules=schedule_cache(owner), kv_exchange=kv_exchange)
+                    ulysses_size=u, schedules=schedule_cache(owner), kv_exchange=kv_exchange, spans=spans or None)
     return ring, (UlyssesSpec(ulysses_group, u, reorder, kernel.head_major) if u > 1 else None), chunks
 
 
@@ -135,18 +139,21 @@ def _attention(
     reuse_on_recompute: bool | None = None,
     kv_exchange: str = "ring",
     head_chunks: int | str | None = None,
+    spans: torch.Tensor | list[tuple[int, int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
     options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                    sliding_window=sliding_window, kv_exchange=kv_exchange, head_chunks=head_chunks)
     always = validation_requested(validate)
-    boundaries = None
+    boundaries = span_pairs = None
     try:
         reuse = reuse_requested(reuse_on_recompute)
         check_cu_seqlens(cu_seqlens)
         boundaries = as_boundaries(cu_seqlens)
+        span_pairs = as_spans(spans)
         ring, ulysses, chunks = _prepare(q, k, v, ulysses_group=ulysses_group, ring_group=ring_group,
-                                         return_lse=return_lse, cu_seqlens=boundaries, sinks=sinks, **options)
+                                         return_lse=return_lse, cu_seqlens=boundaries, sinks=sinks, spans=span_pairs,
+                                         **options)
         error = None
     except (TypeError, ValueError, RuntimeError) as exc:
         if not always:
@@ -154,14 +161,14 @@ def _attention(
         error = exc  # every rank raises it, or its own, at the agreement
     if _size(agreement_group) > 1:
         signature = CallSignature.of(q, k, v, ulysses_size=_size(ulysses_group), ring_size=_size(ring_group),
-                                     cu_seqlens=boundaries, sinks=sinks, **options)
+                                     cu_seqlens=boundaries, sinks=sinks, spans=span_pairs, **options)
         agree(agreement_group, signature, error, always=always, device=_device(q))
     if error is not None:
         raise error
     # Everything the result depends on besides the values of q, k, v (ring_sp.recompute);
     # the sinks (a parameter: unchanged between a forward and its re-run) by identity and version.
     sinks_key = None if sinks is None else (sinks.shape, sinks.dtype, id(sinks), sinks._version)
-    key = (tuple(sorted(options.items())), chunks, boundaries, id(ulysses_group),
+    key = (tuple(sorted(options.items())), chunks, boundaries, span_pairs, id(ulysses_group),
            id(ring_group), *((t.shape, t.dtype, t.stride()) for t in (q, k, v)), q.device, sinks_key)
     recompute = recompute_plan(q, k, v, key, reuse)
     return sequence_parallel_attention(q, k, v, ring, ulysses, recompute, sinks, chunks)
@@ -175,7 +182,8 @@ def raise_on_every_rank(error: Exception, q: object, k: object, v: object, *,
                         topology: SequenceParallelTopology, causal: object = True, layout: object = "zigzag",
                         softmax_scale: object = None, backend: object = "auto", cu_seqlens: Boundaries | None = None,
                         sinks: object = None, sliding_window: object = None, validate: bool | None = None,
-                        kv_exchange: object = "ring", head_chunks: object = None) -> NoReturn:
+                        kv_exchange: object = "ring", head_chunks: object = None,
+                        spans: Spans | None = None) -> NoReturn:
     """Raise ``error``, which an integration found checking THIS rank's inputs of a
     :func:`hybrid_attention` call it was about to make (same arguments).
 
@@ -190,7 +198,7 @@ def raise_on_every_rank(error: Exception, q: object, k: object, v: object, *,
         signature = CallSignature.of(q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                                      ulysses_size=topology.ulysses_size, ring_size=topology.ring_size,
                                      cu_seqlens=cu_seqlens, sinks=sinks, sliding_window=sliding_window,
-                                     kv_exchange=kv_exchange, head_chunks=head_chunks)
+                                     kv_exchange=kv_exchange, head_chunks=head_chunks, spans=spans)
         agree(topology.sp_group, signature, error, always=True, device=_device(q))
     raise error
 
@@ -218,6 +226,7 @@ def ring_attention(
     reuse_on_recompute: bool | None = None,
     kv_exchange: str = "ring",
     head_chunks: int | str | None = None,
+    spans: torch.Tensor | list[tuple[int, int]] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact ring attention over ``group`` (None = the default group).
 
@@ -233,6 +242,14 @@ def ring_attention(
     ``cu_seqlens``: packed sequences - int ``[num_docs + 1]`` boundaries of the documents
     in the GLOBAL sequence, the same on every rank; a token attends only inside its own
     document (``layout="document_zigzag"`` balances causal work for any document mix).
+    ``spans``: bidirectional spans inside causal documents (image tokens, a prefix-LM's
+    prefix): int ``[num_spans, 2]`` (start, stop) GLOBAL positions, or a list of pairs, the
+    same on every rank, sorted, disjoint, each inside one document; a query in a span also
+    sees the span's later tokens (:mod:`ring_sp.spans`; transformers' block ids convert with
+    :func:`ring_sp.spans.spans_from_block_ids`). Needs ``causal=True``; works with every
+    layout, ``cu_seqlens`` and ``sliding_window`` (which never hides a span's later tokens).
+    Exact, no mask tensor, and the same KV exchange as without spans (with a window, the halo
+    also carries the span keys a rank's queries see).
     ``sinks``: attention sinks, a float tensor ``[h]`` with one learned logit per query head
     (gpt-oss): every row's softmax denominator gets ``exp(sinks[head])`` added, with no
     value. Its gradient is this rank's share; the sum over the SP ranks is the whole one.
@@ -263,7 +280,7 @@ def ring_attention(
                           causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                           return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
                           sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute,
-                          kv_exchange=kv_exchange, head_chunks=head_chunks)
+                          kv_exchange=kv_exchange, head_chunks=head_chunks, spans=spans)
     return (out, lse) if return_lse else out
 
 
@@ -283,6 +300,7 @@ def ulysses_attention(
     sliding_window: int | None = None,
     reuse_on_recompute: bool | None = None,
     head_chunks: int | str | None = None,
+    spans: torch.Tensor | list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """DeepSpeed-Ulysses attention over ``group`` (None = the default group).
 
@@ -290,16 +308,16 @@ def ulysses_attention(
     (every layout works: the all-to-all output is put back in natural order). Needs
     ``h % U == 0`` and ``h_kv % U == 0`` or ``U % h_kv == 0`` (KV heads are then
     replicated only to the ranks that need them). Returns ``[b, n, h, d_v]``.
-    ``validate``, ``cu_seqlens``, ``sliding_window``, ``reuse_on_recompute``, ``head_chunks`` and
-    ``sinks`` (all ``h`` heads on every rank; each rank's ``sinks.grad`` holds its ``h/U`` heads'
-    share, zeros elsewhere): as in :func:`ring_attention`.
+    ``validate``, ``cu_seqlens``, ``spans``, ``sliding_window``, ``reuse_on_recompute``,
+    ``head_chunks`` and ``sinks`` (all ``h`` heads on every rank; each rank's ``sinks.grad``
+    holds its ``h/U`` heads' share, zeros elsewhere): as in :func:`ring_attention`.
     """
     ulysses_group = _group_or_world(group)
     return _attention(q, k, v, ulysses_group=ulysses_group, ring_group=None, agreement_group=ulysses_group,
                       causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                       return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
                       sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute,
-                      head_chunks=head_chunks)[0]
+                      head_chunks=head_chunks, spans=spans)[0]
 
 
 def hybrid_attention(
@@ -319,6 +337,7 @@ def hybrid_attention(
     reuse_on_recompute: bool | None = None,
     kv_exchange: str = "ring",
     head_chunks: int | str | None = None,
+    spans: torch.Tensor | list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """2D ring x Ulysses attention over ``topology``'s ``U x R`` grid.
 
@@ -327,7 +346,7 @@ def hybrid_attention(
     Ulysses all-to-all over U (heads must split: ``h % U == 0``), ring attention over R
     on ``h/U`` heads with un-replicated KV, then back. ``contiguous`` and ``zigzag`` work
     for every ``U x R``; ``striped`` when U == 1 or R == 1. Returns ``[b, n, h, d_v]``.
-    ``validate``, ``cu_seqlens``, ``sliding_window``, ``sinks`` and ``reuse_on_recompute``:
+    ``validate``, ``cu_seqlens``, ``spans``, ``sliding_window``, ``sinks`` and ``reuse_on_recompute``:
     as in :func:`ring_attention` and :func:`ulysses_attention` (``document_zigzag`` works
     for every ``U x R``). ``kv_exchange``: as in :func:`ring_attention`, over the ring group
     (after the Ulysses all-to-all: the ``h_kv / U`` KV heads are gathered, never q-replicated).
@@ -342,4 +361,4 @@ def hybrid_attention(
                       agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
                       backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
                       sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute,
-                      kv_exchange=kv_exchange, head_chunks=head_chunks)[0]
+                      kv_exchange=kv_exchange, head_chunks=head_chunks, spans=spans)[0]

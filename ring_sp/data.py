@@ -25,6 +25,7 @@ import torch
 from .layouts import (Boundaries, as_boundaries, check_boundaries, check_layout, layout_index, layout_key, rank_positions,
                       padded_length)
 from .sequence_shards import shard_sequence
+from .spans import as_spans, check_spans
 
 IGNORE_INDEX = -100
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: spreads the weights of token_checksum
@@ -104,6 +105,7 @@ def shard_batch(
     ignore_index: int = IGNORE_INDEX,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     pad_id: int = 0,
+    spans: torch.Tensor | Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """This SP rank's shard of a ``[b, N]`` token batch, for ANY length ``N``.
 
@@ -125,6 +127,11 @@ def shard_batch(
     GLOBAL boundaries to pass to the attention, the padding as its own last document)
     whenever ``cu_seqlens`` was given or padding was added; for unpadded batches without
     documents there is no such key (nothing to pass).
+
+    ``spans``: bidirectional spans of the batch (``[num_spans, 2]`` GLOBAL (start, stop) pairs
+    inside the documents, the same for every row; :mod:`ring_sp.spans`), checked against
+    ``N`` and ``cu_seqlens`` and returned as ``"spans"`` (int64 ``[num_spans, 2]``, unchanged by
+    the tail padding) for the attention's ``spans=``.
     """
     if "input_ids" not in batch:
         raise ValueError(f"batch must contain 'input_ids'; got keys {sorted(batch)}")
@@ -137,6 +144,9 @@ def shard_batch(
     real = boundaries = as_boundaries(cu_seqlens)  # the documents of the real tokens
     if real is not None:
         check_boundaries(real, n)
+    span_pairs = as_spans(spans)
+    if span_pairs is not None:
+        check_spans(span_pairs, n, real)
     padded = padded_length(n, layout, world_size)
     if padded > n and (real is not None or layout != "document_zigzag"):  # document_zigzag needs documents
         boundaries = (real if real is not None else (0, n)) + (padded,)  # the padding: a document of its own
@@ -157,6 +167,8 @@ def shard_batch(
         out[key] = shard_sequence(value, rank=rank, world_size=world_size, layout=layout, dim=1, cu_seqlens=boundaries)
     if boundaries is not None:
         out["cu_seqlens"] = torch.tensor(boundaries, dtype=torch.int32, device=input_ids.device)
+    if span_pairs is not None:
+        out["spans"] = torch.tensor(span_pairs, dtype=torch.int64, device=input_ids.device).view(-1, 2)
     return out
 
 

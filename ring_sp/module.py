@@ -60,9 +60,12 @@ class SequenceParallelAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cu_seqlens: torch.Tensor | list[int] | None = None,
                 sliding_window: int | None = None, *,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None,
+                spans: torch.Tensor | list[tuple[int, int]] | None = None) -> torch.Tensor:
         """q ``[b, n, h, d]``, k ``[b, n, h_kv, d]``, v ``[b, n, h_kv, d_v]`` -> ``[b, n, h, d_v]``;
-        ``cu_seqlens``: the packed documents' boundaries in the global sequence;
+        ``cu_seqlens``: the packed documents' boundaries in the global sequence; ``spans``: the
+        bidirectional spans inside them, ``[num_spans, 2]`` global (start, stop) pairs (see
+        :func:`ring_sp.ring_attention`);
         ``sliding_window``: this call's window (None: the module's ``sliding_window``); ``sinks``:
         one logit per query head ``[h]``, the caller's parameter (see :func:`ring_sp.ring_attention`)."""
         window = self.sliding_window if sliding_window is None else sliding_window
@@ -70,7 +73,7 @@ class SequenceParallelAttention(nn.Module):
             q, k, v, topology=self.topology, causal=self.causal, layout=self.layout,
             softmax_scale=self.softmax_scale, backend=self.backend, validate=self.validate, cu_seqlens=cu_seqlens,
             sinks=sinks, sliding_window=window, reuse_on_recompute=self.reuse_on_recompute,
-            kv_exchange=self.kv_exchange, head_chunks=self.head_chunks,
+            kv_exchange=self.kv_exchange, head_chunks=self.head_chunks, spans=spans,
         )
 
     def extra_repr(self) -> str:

@@ -52,6 +52,7 @@ class AttnCase:
     d_v: int | None = None  # value head size (None = d; MLA when different)
     window: int | None = None  # sliding_window (causal): query i sees keys i - window < j <= i
     kv_exchange: str = "ring"  # the ring group's KV exchange: "ring", "all_gather" or "auto"
+    spans: bool = False  # random bidirectional spans inside the documents (causal), from the seed
 
     def label(self) -> str:
         return (f"{self.mode} U{self.ulysses}xR{self.ring} {self.placement} {self.layout} causal={self.causal} "
@@ -59,7 +60,8 @@ class AttnCase:
                 f"{' packed' if self.packed else ''}{f' sinks={self.sinks}' if self.sinks else ''}"
                 f"{f' d_v={self.d_v}' if self.d_v is not None else ''}"
                 f"{'' if self.window is None else f' window={self.window}'}"
-                f"{'' if self.kv_exchange == 'ring' else f' kv_exchange={self.kv_exchange}'}")
+                f"{'' if self.kv_exchange == 'ring' else f' kv_exchange={self.kv_exchange}'}"
+                f"{' spans' if self.spans else ''}")
 
 
 def random_documents(seq_len: int, seed: int, multiple: int = 1) -> tuple[int, ...]:
@@ -73,6 +75,32 @@ def random_documents(seq_len: int, seed: int, multiple: int = 1) -> tuple[int, .
     count = int(torch.randint(1, max(2, units // 3), (1,), generator=g))
     cuts.update(int(c) for c in torch.randint(1, units, (count,), generator=g))
     return tuple(multiple * c for c in sorted(cuts))
+
+
+def random_spans(cu_seqlens: tuple[int, ...], seed: int) -> list[tuple[int, int]]:
+    """Bidirectional spans inside each document of ``cu_seqlens``: one-token spans, spans that
+    touch, spans at a document's ends and spans up to half a document (crossing shard cuts)."""
+    g = torch.Generator().manual_seed(seed + 17)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=g))
+
+    spans = []
+    for a, b in zip(cu_seqlens, cu_seqlens[1:]):
+        t = a + draw(0, 3)
+        while t < b:
+            stop = min(b, t + draw(1, max(2, (b - a) // 2 + 1)))
+            spans.append((t, stop))
+            t = stop + draw(0, 3)  # 0: the next span touches this one
+    return spans
+
+
+def span_pairs_mask(seq_len: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """[N, N] True where query i and key j lie in one span (written here, apart from ring_sp)."""
+    ids = torch.full((seq_len,), -1)
+    for index, (start, stop) in enumerate(spans):
+        ids[start:stop] = index
+    return (ids.unsqueeze(1) == ids.unsqueeze(0)) & (ids.unsqueeze(1) >= 0)
 
 
 def document_mask(cu_seqlens: tuple[int, ...], causal: bool) -> torch.Tensor:
@@ -89,12 +117,24 @@ def window_mask(seq_len: int, window: int) -> torch.Tensor:
     return (j <= i) & (j > i - window)
 
 
-def case_mask(case: AttnCase, seq_len: int, cu: tuple[int, ...] | None) -> torch.Tensor | None:
-    """The oracle's explicit mask (None: plain causal / full attention)."""
+def case_mask(case: AttnCase, seq_len: int, cu: tuple[int, ...] | None,
+              spans: list[tuple[int, int]] | None = None) -> torch.Tensor | None:
+    """The oracle's explicit mask (None: plain causal / full attention): with ``spans``, transformers'
+    Gemma 3 rule AND(window, OR(causal, same span)) inside each document."""
+    if spans is not None:
+        i, j = torch.arange(seq_len).unsqueeze(1), torch.arange(seq_len).unsqueeze(0)
+        seen = (j <= i) | span_pairs_mask(seq_len, spans)
+        if case.window is not None:
+            seen &= j > i - case.window
+        return seen if cu is None else seen & document_mask(cu, False)
     mask = None if cu is None else document_mask(cu, case.causal)
     if case.window is not None:
         mask = window_mask(seq_len, case.window) if mask is None else mask & window_mask(seq_len, case.window)
     return mask
+
+
+def case_spans(case: AttnCase, seq_len: int, cu: tuple[int, ...] | None) -> list[tuple[int, int]] | None:
+    return random_spans(cu or (0, seq_len), case.seed) if case.spans else None
 
 
 def case_documents(case: AttnCase, sp_size: int) -> tuple[int, ...] | None:
@@ -115,8 +155,11 @@ def _sp_group(case: AttnCase) -> dist.ProcessGroup | None:
     return topology(case.ulysses, case.ring, case.placement).sp_group if case.mode == "hybrid" else None
 
 
-def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None, sinks=None):
+def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None, sinks=None,
+                     spans=None):
     common = dict(causal=case.causal, layout=case.layout, backend=case.backend, cu_seqlens=cu_seqlens, sinks=sinks)
+    if spans is not None:
+        common["spans"] = spans
     if case.window is not None:
         common["sliding_window"] = case.window
     if case.kv_exchange != "ring":
@@ -130,16 +173,19 @@ def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.
     return ring_sp.hybrid_attention(q, k, v, topology=topology(case.ulysses, case.ring, case.placement), **common), None
 
 
-def _single_device(inputs: dict[str, torch.Tensor], case: AttnCase, cu_seqlens: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+def _single_device(inputs: dict[str, torch.Tensor], case: AttnCase, cu_seqlens: tuple[int, ...] | None = None,
+                   spans: list[tuple[int, int]] | None = None) -> dict[str, torch.Tensor]:
     """The same kernel in the same dtype on the full sequence (one call per document when
     packed), results in that dtype as a single-device user gets them: the ratio rule's yardstick."""
     q, k, v, dout = inputs["q"], inputs["k"], inputs["v"], inputs["dout"]
     kernel = get_kernel(case.backend, q.device, q.dtype, q.shape[3], v.shape[3])
     scale = q.shape[3] ** -0.5
-    if case.window is not None:  # the windowed blocks of the same kernel on one device
+    if case.window is not None or spans is not None:  # the windowed (span) blocks of the same kernel on one device
         from ring_sp.ring import RingSpec, ring_backward, ring_forward
+        from ring_sp.spans import as_spans
 
-        spec = RingSpec(None, "contiguous", True, kernel, scale, q.shape[1], cu_seqlens, window=case.window)
+        spec = RingSpec(None, "contiguous", True, kernel, scale, q.shape[1], cu_seqlens, window=case.window,
+                        spans=as_spans(spans))
         out, lse = ring_forward(q, k, v, spec, inputs.get("sinks"))
         grads = ring_backward(dout, q, k, v, out, lse, spec, q.dtype)
         return {name: t.to(q.dtype) for name, t in zip(("out", "dq", "dk", "dv"), (out, *grads))}
@@ -174,7 +220,8 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
     inputs = make_inputs(case.seed * 1000 + dp_rank, case.b, case.n_local * sp_size, case.h, case.h_kv, case.d, dtype,
                          d_v=case.d_v, sinks=case.sinks)
     cu = case_documents(case, sp_size)
-    mask = case_mask(case, case.n_local * sp_size, cu)
+    spans = case_spans(case, case.n_local * sp_size, cu)
+    mask = case_mask(case, case.n_local * sp_size, cu, spans)
     expected = oracle_results(inputs, causal=case.causal and mask is None, mask=mask)
 
     def shard(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -182,7 +229,7 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
 
     q, k, v = (shard(inputs[n]).requires_grad_() for n in ("q", "k", "v"))
     sinks = inputs["sinks"].clone().requires_grad_() if case.sinks else None
-    out, lse = _run_distributed(case, q, k, v, cu, sinks)
+    out, lse = _run_distributed(case, q, k, v, cu, sinks, spans)
     out.backward(shard(inputs["dout"]))
     actual = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     if sinks is not None:
@@ -204,7 +251,7 @@ def check_attention_case(case: AttnCase) -> dict[str, float]:
     if lse is not None:
         errors["lse"] = assert_lse_close(f"{case.label()} lse", lse, shard(expected["lse"], dim=2), LSE_ATOL[dtype])
     if dtype in RATIO_FLOOR:  # no worse than 2x the same kernel's own error on one device
-        single = _single_device(inputs, case, cu)
+        single = _single_device(inputs, case, cu, spans)
         roundings = case.ring if _rounds_partials(case, inputs) else 1
         for name, value in actual.items():
             if name not in single:  # dsinks: no single-device kernel computes it
@@ -287,9 +334,11 @@ class _SumGradsOverRanks(torch.autograd.Function):
 
 
 def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring: int = 1,
-                   window: int | None = None, *, sinks: bool = False, d_v: int | None = None) -> bool:
+                   window: int | None = None, *, sinks: bool = False, d_v: int | None = None,
+                   spans: list[tuple[int, int]] | None = None) -> bool:
     """Slow-mode float64 gradcheck of the whole distributed function on every rank
-    (``window``: its ``sliding_window``; ``sinks``: their gradient too; ``d_v``: v's head size)."""
+    (``window``: its ``sliding_window``; ``sinks``: their gradient too; ``d_v``: v's head size;
+    ``spans``: bidirectional spans of the ``2 x SP`` tokens)."""
     topo = topology(ulysses, ring) if mode == "hybrid" else None
     sp_rank, sp_size = (topo.sp_rank, topo.sp_size) if topo else (dist.get_rank(), dist.get_world_size())
     group = topo.sp_group if topo else None
@@ -300,6 +349,8 @@ def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring:
 
     options = dict(causal=causal, layout=layout) if window is None else dict(causal=causal, layout=layout,
                                                                              sliding_window=window)
+    if spans is not None:
+        options["spans"] = spans
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         shard = lambda x: _ShardSummingGrads.apply(x, sp_rank, sp_size, layout, group)  # noqa: E731

@@ -22,13 +22,14 @@ import math
 import pytest
 import torch
 
-from dist_cases import AttnCase, check_attention_cases, random_documents
+from dist_cases import AttnCase, check_attention_cases, random_documents, random_spans
 from oracle import GRAD_TOL, LSE_ATOL, OUT_TOL, assert_close, assert_lse_close, oracle_results
 from ring_sp.kernels.base import Segments
 from ring_sp.kernels.torch_cuda import TorchCUDAKernel
 from ring_sp.ring.calls import CallPlan
 from ring_sp.schedule import BlockTask, KernelCaps, bottom_right_window, rank_pair_count, step_calls
 from ring_sp.schedule.pairs import call_pairs
+from ring_sp.spans import as_spans
 from test_flash_attn_double import _mask as flash_mask
 from torch_flash_double import FlashDouble, installed, run_installed
 
@@ -98,6 +99,25 @@ def test_calls_compute_only_what_the_mask_needs(caps: KernelCaps) -> None:
         assert all(calls <= 3 for (_, windowed, packed), calls in most.items() if windowed and not packed), most
     else:
         assert max(most.values()) > 3  # the cut schedule: a call per block (the control)
+
+
+def test_span_calls_compute_only_what_the_mask_needs() -> None:
+    """Issue 41's work target through the same count: with bidirectional spans (cut by shards, one
+    token long, touching) the calls compute at most 1.15x the pairs the mask needs (here: exactly
+    them), causal and windowed, ring and grid, at P = 4 and 8; the count itself sees the spans
+    (a control: the same schedule without them needs fewer pairs)."""
+    torch.set_num_threads(1)
+    for (layout, u, r, window, packed), caps in zip(_pair_cases()[::3], itertools.cycle((FLASH, CUT))):
+        n = 48 * u
+        cu = random_documents(n * r, seed=n * r + u, multiple=2 * u * r if layout == "document_zigzag" else 1) \
+            if packed else None
+        spans = as_spans(random_spans(cu or (0, n * r), seed=n + r))
+        for rank in range(r):
+            count = rank_pair_count(layout, True, rank, r, n, cu, window, ulysses_size=u, caps=caps, spans=spans)
+            assert count.needed <= count.computed <= 1.15 * count.needed, (layout, u, r, window, packed, rank, count)
+        plain = rank_pair_count(layout, True, 0, r, n, cu, window, ulysses_size=u, caps=caps)
+        assert plain.needed < rank_pair_count(layout, True, 0, r, n, cu, window, ulysses_size=u, caps=caps,
+                                              spans=spans).needed
 
 
 def test_explicit_masks_count_whole_rectangles() -> None:

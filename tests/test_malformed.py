@@ -50,7 +50,7 @@ MUTATIONS: dict[str, str] = {
     "shard of another topology (U1xR2)": "cut for 2 sequence-parallel ranks",
     "shard cut with another layout (contiguous)": "cut with layout='contiguous' but the attention runs",
     "fingerprint of another batch": "do not match the documents|are not the shard's|cut from a batch of",
-    "fingerprint not a tensor": "must be the int64 \\[10\\] tensor",
+    "fingerprint not a tensor": "must be the int64 \\[12\\] tensor",
     # issue 31: the inputs the checks above could not see
     "labels instead of shift_labels (a model that never went through initialize or the Trainer)":
         "was given labels=.* \\(and no shift_labels\\)",

@@ -211,8 +211,8 @@ def _options(module=None, mask=None, kv_len: int = 8, **kwargs: Any) -> dict[str
 
 def test_call_options_translate_an_hf_call() -> None:
     assert _options(scaling=0.25, dropout=0.0, sliding_window=None, s_aux=None, position_ids=None, use_cache=True) == \
-        dict(causal=True, layout="zigzag", softmax_scale=0.25, backend="auto", cu_seqlens=None, sliding_window=None,
-             sinks=None)
+        dict(causal=True, layout="zigzag", softmax_scale=0.25, backend="auto", cu_seqlens=None, spans=None,
+             sliding_window=None, sinks=None)
     cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     packed = _options(cu_seq_lens_q=cu, cu_seq_lens_k=cu, is_causal=False)
     assert (packed["layout"], packed["cu_seqlens"], packed["causal"]) == ("document_zigzag", (0, 8, 16), False)

@@ -13,7 +13,8 @@
 * :func:`shard_batch`: a global HF batch of any length (padding-free packing included) ->
   this rank's shard, with a ``"ring_sp_shard"`` fingerprint the attention checks (a shard
   run on the wrong rank, topology, layout, documents or positions raises: :mod:`.shards`). Sliding windows (``sliding_window``, ``layer_types``) and attention
-  sinks (gpt-oss) run exactly.
+  sinks (gpt-oss) run exactly; Gemma 3's vision-language model with ``shard_batch(..., model=model)``
+  (its image spans and the images of each shard: :mod:`.multimodal`).
 * :func:`causal_lm_loss`: the exact loss over the SP group, scaled for the engine in use.
 * :func:`enable_long_sequence` / :func:`model_loss`: the long-sequence step (tiled MLP,
   tiled logits + loss that never builds the full logits, checkpoints offloaded to host).

@@ -35,13 +35,14 @@ import torch
 from ring_sp import SequenceParallelTopology, hybrid_attention
 from ring_sp.agreement import defer, raise_at_next_agreement, shard_values
 from ring_sp.attention import raise_on_every_rank
-from ring_sp.layouts import Boundaries, as_boundaries, check_grid_layout
+from ring_sp.layouts import Boundaries, check_grid_layout
 from ring_sp.integrations.versions import require_supported
 from ring_sp.validation import check_head_chunks, check_kv_exchange, check_options
 
-from .features import (UnsupportedFeatureError, check_mask_call, check_model_config, labels_error, model_name,
-                       ring_sp_call_options)
-from .shards import SHARD_KEY, agreed_values, check_shard, inputs_error, remember
+from .features import (UnsupportedFeatureError, check_mask_call, check_model_config, host_values, labels_error,
+                       later_tokens_error, model_name, ring_sp_call_options, sees_later_tokens)
+from .multimodal import LOCAL_ENCODERS, select_image_tokens, selected_tokens, vision_model_error
+from .shards import IMAGE_TOKENS_KEY, SHARD_KEY, agreed_values, check_shard, images_checksum, inputs_error, remember
 
 ATTN_IMPLEMENTATION = "ring_sp"
 
@@ -70,19 +71,21 @@ class RingSPAttention:
         self._checked: tuple = ()  # the fingerprint and position_ids last checked, with their versions
 
     def _boundaries(self, cu: torch.Tensor) -> Boundaries:
-        """A ``cu_seq_lens_*`` tensor as a tuple (one host sync per new tensor)."""
+        """A ``cu_seq_lens_*`` (or spans) tensor as a flat tuple (one host sync per new tensor)."""
         for tensor, version, boundaries in self._cu_cache:
             if tensor is cu and version == cu._version:
                 return boundaries
-        boundaries = as_boundaries(cu)
-        self._cu_cache = [*self._cu_cache[-1:], (cu, cu._version, boundaries)]  # the last q and k tensors
+        boundaries = host_values(cu)
+        self._cu_cache = [*self._cu_cache[-2:], (cu, cu._version, boundaries)]  # the last q, k and spans tensors
         return boundaries
 
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         reg = self.registration
-        if reg.topology.sp_size == 1 and (attention_mask is not None or key.shape[-2] != query.shape[-2]):
-            # one rank holds the whole sequence: a KV cache (generation) or padding is sdpa's exact business
+        local_encoder = getattr(getattr(module, "config", None), "model_type", None) in LOCAL_ENCODERS
+        if local_encoder or (reg.topology.sp_size == 1 and (attention_mask is not None or key.shape[-2] != query.shape[-2])):
+            # a known vision tower attends within whole images, which every rank holds (.multimodal); on one
+            # rank holding the whole sequence a KV cache (generation), padding or a block mask is sdpa's business
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -94,18 +97,20 @@ class RingSPAttention:
             try:
                 options = ring_sp_call_options(module, query, key, attention_mask, kwargs, layout=reg.layout,
                                                backend=reg.backend, boundaries=self._boundaries)
+                if options["causal"] and options["spans"] is None and _SEES_LATER.get():
+                    raise later_tokens_error(model_name(getattr(module, "config", None), module))
             except (TypeError, ValueError) as exc:
                 raise_on_every_rank(exc, q, k, v, topology=reg.topology, layout=reg.layout, backend=reg.backend,
                                     kv_exchange=reg.kv_exchange, head_chunks=chunks)
             seen = (mark, positions, tuple(t._version for t in (mark, positions) if isinstance(t, torch.Tensor)),
-                    options["cu_seqlens"], options["layout"])
+                    options["cu_seqlens"], options["layout"], options["spans"])
             last = self._checked
             if not (last and seen[0] is last[0] and seen[1] is last[1] and seen[2:] == last[2:]):
                 # every layer gets the same tensors: check once per forward, before the first collective
                 try:
                     check_shard(mark, positions, batch=q.shape[0], local_len=q.shape[1], layout=options["layout"],
                                 boundaries=options["cu_seqlens"], topology=reg.topology,
-                                where=model_name(getattr(module, "config", None)))
+                                where=model_name(getattr(module, "config", None)), spans=options["spans"])
                 except (TypeError, ValueError) as exc:
                     raise_on_every_rank(exc, q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange,
                                         head_chunks=chunks, **options)
@@ -127,7 +132,11 @@ class RingSPAttention:
                 raise
         cached = kv_length != q_length or isinstance(q_offset, torch.Tensor) or q_offset != 0
         padded = attention_mask is not None and not bool(attention_mask.all())
-        if self.registration.topology.sp_size == 1 and (cached or padded):
+        later = not cached and sees_later_tokens(kwargs.get("mask_function"), kwargs.get("batch_size", 1), q_length,
+                                                 kwargs.get("device"))
+        if self.registration.topology.sp_size > 1 and _IN_FORWARD.get():  # the attention then needs spans for it
+            _SEES_LATER.set(later or _SEES_LATER.get())
+        if self.registration.topology.sp_size == 1 and (cached or padded or later):
             from transformers.masking_utils import sdpa_mask
 
             return sdpa_mask(attention_mask=attention_mask, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -217,6 +226,8 @@ def _wrap_once(owner: type, name: str, guard: Callable[[Callable[..., Any]], Cal
 
 
 _IN_FORWARD: ContextVar[bool] = ContextVar("ring_sp_in_forward", default=False)
+# whether this forward's mask lets a token see a later one (the mask hook's finding; reset per guarded forward)
+_SEES_LATER: ContextVar[bool] = ContextVar("ring_sp_sees_later", default=False)
 
 
 def _guard_forward() -> None:
@@ -229,7 +240,10 @@ def _guard_forward() -> None:
     was cut with (:func:`.shards.inputs_error`). An error found here is not raised here: the
     forward goes on (without ``labels``) to its first attention call, whose agreement raises it
     on every rank of the SP group (``ring_sp.agreement.raise_at_next_agreement``), so a rank
-    that alone is wrong does not leave its peers waiting. Other models pass through.
+    that alone is wrong does not leave its peers waiting. A vision-language model this
+    integration does not know is refused the same way (:func:`.multimodal.vision_model_error`);
+    a known one keeps only its shard's image tokens (:func:`.multimodal.select_image_tokens`,
+    the rows of ``"ring_sp_image_tokens"``). Other models pass through.
     """
     from transformers import PreTrainedModel
 
@@ -243,14 +257,19 @@ def _guard_forward() -> None:
             if kwargs.get("labels") is not None:
                 error = labels_error(where, kwargs.pop("labels"), kwargs.get("shift_labels"), current.topology.sp_size)
             mark = kwargs.get(SHARD_KEY)
+            images = images_checksum(kwargs.get("pixel_values"), kwargs.get(IMAGE_TOKENS_KEY))
             error = error or inputs_error(mark, kwargs.get("input_ids", args[0] if args else None),
-                                          kwargs.get("shift_labels"), where)
-            token = _IN_FORWARD.set(True)
+                                          kwargs.get("shift_labels"), where, images) or vision_model_error(self.config)
+            if error is not None:  # raised by the first attention call on every rank: images that do not fit the
+                kwargs.pop("pixel_values", None)  # tokens must not fail before it on this rank alone
+            select_image_tokens(self)
+            token, later = _IN_FORWARD.set(True), _SEES_LATER.set(False)
             try:
-                with raise_at_next_agreement(error):
+                with raise_at_next_agreement(error), selected_tokens(kwargs.pop(IMAGE_TOKENS_KEY, None)):
                     out = call(self, *args, **kwargs)
             finally:
                 _IN_FORWARD.reset(token)
+                _SEES_LATER.reset(later)
             remember(getattr(out, "logits", None), mark)  # for causal_lm_loss's check of its labels
             return out
 

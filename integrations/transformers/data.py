@@ -15,7 +15,11 @@ Hugging Face conventions in, ring_sp's sharding out:
   the attention (which turns ``zigzag`` into ``document_zigzag`` whenever ``cu_seq_lens``
   are given) always agree; ring_sp's ``shard_batch`` pads the row's end (its own document,
   labels ignored), and ``seq_len=`` of ``gather_sequence`` drops it again;
-* an ``attention_mask`` must be all ones (padding is not supported) and is dropped.
+* an ``attention_mask`` must be all ones (padding is not supported) and is dropped;
+* a vision-language model's ``token_type_ids`` become its bidirectional spans (``"ring_sp_spans"``,
+  GLOBAL, for the attention; rows of a batch become documents of one row) and its
+  ``pixel_values`` the images with a token in this shard (:mod:`.multimodal`), for the models
+  :data:`.multimodal.KNOWN` (``model=`` says which); others are refused by name.
 """
 
 from __future__ import annotations
@@ -28,12 +32,16 @@ import torch
 from ring_sp import LAYOUTS, SequenceParallelTopology
 from ring_sp import shard_batch as ring_sp_shard_batch
 from ring_sp.layouts import Boundaries, as_boundaries, layout_unit
+from ring_sp.spans import Spans
 
 from .attention import registration
-from .features import layout_for
-from .shards import SHARD_KEY, batch_checksum, fingerprint
+from .features import UnsupportedFeatureError, layout_for, model_name
+from .multimodal import KNOWN, batch_spans, image_ordinals, known_model, shard_images
+from .shards import IMAGE_TOKENS_KEY, SHARD_KEY, SPANS_KEY, batch_checksum, fingerprint, images_checksum
 
 _FLASH_LENGTHS = ("max_length_q", "max_length_k")  # DataCollatorWithFlattening's, recomputed by nobody here
+_VISION = ("token_type_ids", "pixel_values")  # a vision-language model's inputs (.multimodal)
+_ORDINALS = "ring_sp_image_ordinals"  # sharded with the ids, then turned into the shard's images
 
 
 def _describe(x: object) -> str:
@@ -83,8 +91,30 @@ def _documents(batch: dict[str, Any], b: int, n: int) -> Boundaries | None:
     return given
 
 
+def _vision_inputs(full: dict[str, Any], model: Any) -> tuple[Spans | None, torch.Tensor | None]:
+    """Pop a vision-language model's ``token_type_ids`` and ``pixel_values``: (its GLOBAL spans or
+    None, the pixel values or None); add the image tokens' ordinals to shard with the ids."""
+    token_types, pixels = (full.pop(key, None) for key in _VISION)
+    if token_types is None and pixels is None:
+        return None, None
+    config = getattr(model, "config", model)
+    known = known_model(config)
+    if known is None:
+        given = " and ".join(key for key, value in zip(_VISION, (token_types, pixels)) if value is not None)
+        if model is None:
+            raise ValueError(f"the batch holds {given}: pass model= (the model, or its config) so that shard_batch "
+                             f"turns them into the model's bidirectional spans and this shard's images")
+        raise UnsupportedFeatureError(
+            f'{model_name(config)} takes {given}, which attn_implementation="ring_sp" does not support yet for this '
+            f"model type (known: {sorted(KNOWN)}); train it with another attn_implementation")
+    spans = None if token_types is None else batch_spans(known, token_types)
+    if pixels is not None:
+        full[_ORDINALS] = image_ordinals(full["input_ids"], config.image_token_id)
+    return spans, pixels
+
+
 def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | None, *, layout: str = "zigzag",
-                pad_id: int = 0) -> dict[str, torch.Tensor]:
+                pad_id: int = 0, model: Any = None) -> dict[str, torch.Tensor]:
     """This rank's shard of a GLOBAL Hugging Face batch, ready for ``model(**shard)``.
 
     ``batch``: ``input_ids`` ``[b, N]``; optional ``labels`` ``[b, N]`` (unshifted, the HF
@@ -95,7 +125,7 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
     to :func:`register`.
 
     Returns ``input_ids``, ``position_ids`` (global, in layout order) and ``shift_labels``,
-    each ``[b, N / sp_size]``, and ``"ring_sp_shard"``: int64 ``[10]``, which rank, topology,
+    each ``[b, N / sp_size]``, and ``"ring_sp_shard"``: int64 ``[12]``, which rank, topology,
     layout, batch, positions, tokens and labels the shard was cut for (the attention checks it, so a shard
     run where it does not belong raises instead of computing a wrong answer; see
     :mod:`.shards`). Packed documents (positions restarting), or a length ``N``
@@ -107,6 +137,13 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
     row (the padding its own last document), the same on every rank, which the model
     forwards to the attention; gather logits with ``seq_len=b * N`` to drop the padding.
     No communication: every rank calls it with the same global batch.
+
+    Vision-language models (``model=``: the model or its config, of a type in
+    :data:`.multimodal.KNOWN`): ``token_type_ids`` ``[b, N]`` become the bidirectional spans
+    ``"ring_sp_spans"`` (int64 ``[num_spans, 2]``, GLOBAL; ``b > 1`` rows become documents of
+    one row) and ``pixel_values`` ``[images, ...]`` the images with a token in this shard, with
+    ``"ring_sp_image_tokens"`` (which rows of their features are the shard's image tokens; on
+    more than one rank): see :mod:`.multimodal` for how, and what it costs.
     """
     if topology is not None and not isinstance(topology, SequenceParallelTopology):
         raise TypeError(f"topology must be a ring_sp.SequenceParallelTopology or None; got {type(topology).__name__}")
@@ -134,24 +171,34 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
         )
     if "position_ids" in full and full["position_ids"].shape[0] == 1 and b > 1:
         full["position_ids"] = full["position_ids"].expand(b, n)
+    spans, pixels = _vision_inputs(full, model)
     boundaries = _documents(full, b, n)
     sp_size, sp_rank = (1, 0) if topology is None else (topology.sp_size, topology.sp_rank)
-    if boundaries is None and n % layout_unit(layout, sp_size):
-        boundaries = tuple(range(0, b * n + 1, n))  # any length: each row one document, flattened
+    if boundaries is None and (n % layout_unit(layout, sp_size) or (spans is not None and b > 1)):
+        boundaries = tuple(range(0, b * n + 1, n))  # any length, or spans per row: each row one document, flattened
     layout = layout_for(layout, packed=boundaries is not None)
     if boundaries is not None:
         full = {key: value.reshape(1, b * n, *value.shape[2:]) for key, value in full.items()}  # one packed row
     batch_sum = batch_checksum(full["input_ids"], full.get("labels", full["input_ids"]))  # the same on every rank
     shard = ring_sp_shard_batch(full, rank=sp_rank, world_size=sp_size, layout=layout, shift=True, cu_seqlens=boundaries,
-                                pad_id=pad_id)
+                                pad_id=pad_id, spans=None if spans is None else list(zip(spans[0::2], spans[1::2])))
     shard["shift_labels"] = shard.pop("labels")
     cu = shard.pop("cu_seqlens", None)  # the GLOBAL boundaries, the tail padding as its own document
     if cu is not None:
         shard["cu_seq_lens_q"] = shard["cu_seq_lens_k"] = cu.to(device=input_ids.device, dtype=torch.int32)
+    if spans is not None:
+        shard[SPANS_KEY] = shard.pop("spans")
+    if pixels is not None:
+        ordinals = shard.pop(_ORDINALS)
+        images, rows = shard_images(pixels, ordinals, int((full[_ORDINALS] > 0).sum()), "shard_batch")
+        shard["pixel_values"] = pixels if sp_size == 1 else images
+        if sp_size > 1:
+            shard[IMAGE_TOKENS_KEY] = rows
     shard[SHARD_KEY] = fingerprint(sp_size=sp_size, sp_rank=sp_rank, layout=layout,
                                    global_len=shard["input_ids"].shape[1] * sp_size, boundaries=as_boundaries(cu),
                                    position_ids=shard["position_ids"], input_ids=shard["input_ids"],
-                                   shift_labels=shard["shift_labels"], batch=batch_sum)
+                                   shift_labels=shard["shift_labels"], batch=batch_sum, spans=spans,
+                                   images=images_checksum(shard.get("pixel_values"), shard.get(IMAGE_TOKENS_KEY)))
     return shard
 
 

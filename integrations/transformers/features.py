@@ -7,7 +7,10 @@ not support yet raises :class:`UnsupportedFeatureError` naming the model, the fe
 the fix. Sliding windows (the layer's ``sliding_window``: query ``i`` sees keys
 ``i - W < j <= i``, transformers' ``sliding_window_overlay`` and ring_sp's meaning) and
 attention sinks (gpt-oss's ``s_aux``: one logit per head joined to the scores unscaled and
-dropped after the softmax, ring_sp's ``sinks=``) pass straight through.
+dropped after the softmax, ring_sp's ``sinks=``) pass straight through, and so do the shard's
+bidirectional spans (``"ring_sp_spans"``, :mod:`.multimodal`). A mask in which tokens see
+later ones (transformers' OR overlays: image blocks, prefixes) is found by
+:func:`sees_later_tokens` in the mask hook and refused unless the call carries those spans.
 
 :func:`check_model_config` is the model-wide part of the same checks, run by the mask hook
 once per forward before the first layer, so a model whose LATER layers use chunked
@@ -22,7 +25,10 @@ from typing import Any
 
 import torch
 
-from ring_sp.layouts import Boundaries, as_boundaries
+from ring_sp.layouts import Boundaries
+from ring_sp.spans import Spans
+
+from .shards import SPANS_KEY
 
 
 class UnsupportedFeatureError(ValueError):
@@ -87,6 +93,48 @@ def check_mask_call(config: Any, attention_mask: torch.Tensor | None, q_length: 
         )
 
 
+def host_values(tensor: torch.Tensor) -> tuple[int, ...]:
+    """An int tensor's values as a flat tuple (one device-to-host copy)."""
+    return tuple(int(x) for x in tensor.reshape(-1).tolist())
+
+
+def _spans(kwargs: Mapping[str, Any], where: str, host: Callable[[torch.Tensor], tuple[int, ...]]) -> Spans | None:
+    """The GLOBAL bidirectional spans :func:`..data.shard_batch` put in the shard, flat (start, stop, ...)."""
+    spans = kwargs.get(SPANS_KEY)
+    if spans is None:
+        return None
+    if not isinstance(spans, torch.Tensor) or spans.dim() != 2 or spans.shape[1] != 2 or spans.is_floating_point():
+        raise ValueError(f"{where}: {SPANS_KEY!r} must be the int64 [num_spans, 2] tensor of GLOBAL (start, stop) spans "
+                         f"shard_batch makes; got {_short(spans)}")
+    return host(spans)
+
+
+def sees_later_tokens(mask_function: Any, batch_size: int, q_length: int, device: Any) -> bool:
+    """Whether transformers' ``mask_function`` lets some token see the NEXT one (an OR overlay: a
+    bidirectional block or prefix from ``token_type_ids``, or no causality at all): causal,
+    sliding-window and packed-document masks never do. Evaluated on the ``[b, n - 1]`` pairs
+    (i, i + 1) only, as transformers' index-based mask functions allow; a function that cannot be
+    evaluated that way counts as seeing them (it is no mask ring_sp knows)."""
+    if mask_function is None or q_length < 2:
+        return False
+    rows = torch.arange(batch_size, device=device).view(-1, 1)
+    queries = torch.arange(q_length - 1, device=device).view(1, -1)
+    try:
+        seen = mask_function(rows, torch.zeros((), dtype=torch.long, device=device), queries, queries + 1)
+        return bool(torch.as_tensor(seen).any())
+    except Exception:  # noqa: BLE001 - any failure: a mask we cannot read
+        return True
+
+
+def later_tokens_error(where: str) -> UnsupportedFeatureError:
+    """The error of a model whose mask lets tokens see later ones, given no spans for it."""
+    return _unsupported(
+        where, "an attention mask in which tokens see later tokens (a bidirectional block or prefix, e.g. built from "
+        "token_type_ids) without the spans that say where",
+        "shard the batch with ring_sp.integrations.transformers.shard_batch(batch, topology, model=model), which turns "
+        "the token_type_ids of a known vision-language model into spans, and pass no token_type_ids to the model")
+
+
 def _cu_seqlens(kwargs: Mapping[str, Any], where: str, boundaries: Callable[[torch.Tensor], Boundaries]) -> Boundaries | None:
     """The global document boundaries of ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (equal: self-attention)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -102,15 +150,16 @@ def _cu_seqlens(kwargs: Mapping[str, Any], where: str, boundaries: Callable[[tor
 
 def ring_sp_call_options(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                          attention_mask: torch.Tensor | None, kwargs: Mapping[str, Any], *, layout: str,
-                         backend: str, boundaries: Callable[[torch.Tensor], Boundaries] = as_boundaries) -> dict[str, Any]:
+                         backend: str, boundaries: Callable[[torch.Tensor], Boundaries] = host_values) -> dict[str, Any]:
     """ring_sp keyword arguments for one HF attention call, or :class:`UnsupportedFeatureError`.
 
     ``query`` ``[b, h, n, d]`` and ``key`` ``[b, h_kv, n_kv, d]`` as transformers passes them;
     ``layout`` / ``backend``: the registered ones (``layout`` turns document-aware when
-    documents are given). ``boundaries``: turns a ``cu_seq_lens_*`` tensor into a tuple (the
-    caller may cache it across layers). Returns ``causal``, ``layout``, ``softmax_scale``,
-    ``backend``, ``cu_seqlens``, ``sliding_window`` (int or None) and ``sinks`` (``[h]`` or
-    None) for :func:`ring_sp.hybrid_attention`, which validates the last two.
+    documents are given). ``boundaries``: turns a ``cu_seq_lens_*`` (or spans) tensor into a
+    flat tuple (the caller may cache it across layers). Returns ``causal``, ``layout``,
+    ``softmax_scale``, ``backend``, ``cu_seqlens``, ``spans`` (the shard's bidirectional spans
+    or None), ``sliding_window`` (int or None) and ``sinks`` (``[h]`` or None) for
+    :func:`ring_sp.hybrid_attention`, which validates the last three.
     """
     config = getattr(module, "config", None)
     where = model_name(config, module)
@@ -147,7 +196,7 @@ def ring_sp_call_options(module: torch.nn.Module, query: torch.Tensor, key: torc
     cu_seqlens = _cu_seqlens(kwargs, where, boundaries)
     return dict(causal=bool(causal), layout=layout_for(layout, packed=cu_seqlens is not None),
                 softmax_scale=kwargs.get("scaling"), backend=backend, cu_seqlens=cu_seqlens,
-                sliding_window=sliding_window, sinks=sinks)
+                spans=_spans(kwargs, where, boundaries), sliding_window=sliding_window, sinks=sinks)
 
 
 def forbid_labels(model: torch.nn.Module, sp_size: int) -> None:
@@ -199,5 +248,5 @@ def layout_for(layout: str, *, packed: bool) -> str:
     return layout
 
 
-__all__ = ["UnsupportedFeatureError", "check_mask_call", "check_model_config", "forbid_labels", "labels_error", "layout_for",
-           "model_name", "ring_sp_call_options"]
+__all__ = ["UnsupportedFeatureError", "check_mask_call", "check_model_config", "forbid_labels", "host_values", "labels_error",
+           "later_tokens_error", "layout_for", "model_name", "ring_sp_call_options", "sees_later_tokens"]

@@ -1,20 +1,23 @@
 """A shard knows where it belongs: the fingerprint :func:`shard_batch` adds, and the checks.
 
 A malformed shard must fail, never compute a wrong number. What the attention can see of a
-shard is its ``position_ids`` and ``cu_seq_lens_q/k``; what it cannot see is which batch,
-rank, topology and layout the shard was cut for, nor its tokens and labels. So
-:func:`..shard_batch` adds one more key, ``"ring_sp_shard"`` (int64 ``[10]``, passed through
-``model(**shard)`` to the attention like ``cu_seq_lens_*``), which the checks compare:
+shard is its ``position_ids``, ``cu_seq_lens_q/k`` and bidirectional spans (``"ring_sp_spans"``);
+what it cannot see is which batch, rank, topology and layout the shard was cut for, nor its
+tokens and labels. So :func:`..shard_batch` adds one more key, ``"ring_sp_shard"`` (int64
+``[12]``, passed through ``model(**shard)`` to the attention like ``cu_seq_lens_*``), which the
+checks compare:
 
 * in the attention (:func:`check_shard`, once per forward, before the first collective):
   the SP size and this rank's SP rank (a shard of another topology, or another rank's), the
-  layout, the document boundaries (``cu_seq_lens_*`` dropped, corrupted, or added), the
-  global length (a shard cut from another batch, or truncated), a checksum of the positions
-  (``position_ids`` dropped, shifted, or another rank's);
+  layout, the document boundaries (``cu_seq_lens_*`` dropped, corrupted, or added), the spans
+  (dropped, added, another batch's), the global length (a shard cut from another batch, or
+  truncated), a checksum of the positions (``position_ids`` dropped, shifted, or another rank's);
 * in the attention's agreement, on every call (:func:`agreed_values`): the global batch the
   shard was cut from, the same on every rank (a rank fed another batch);
 * in the model's forward (:func:`inputs_error`, installed by ``register``): a checksum of
-  the shard's ``input_ids`` and, when given, ``shift_labels`` (another rank's, or unshifted);
+  the shard's ``input_ids`` and, when given, ``shift_labels`` (another rank's, or unshifted),
+  and of a vision-language shard's images (the shape of ``pixel_values`` and the image token
+  rows: dropped, or another rank's);
 * in ``causal_lm_loss`` (:func:`loss_labels_error` with the fingerprint of the forward that made
   the logits, :func:`fingerprint_of`): the labels' checksum.
 
@@ -36,10 +39,14 @@ from ring_sp import LAYOUTS, SequenceParallelTopology
 from ring_sp.agreement import _checksum
 from ring_sp.data import shard_positions, token_checksum
 from ring_sp.layouts import Boundaries, check_layout
+from ring_sp.spans import Spans
 
 SHARD_KEY = "ring_sp_shard"
+SPANS_KEY = "ring_sp_spans"  # the batch's bidirectional spans, int64 [num_spans, 2] GLOBAL (start, stop)
+IMAGE_TOKENS_KEY = "ring_sp_image_tokens"  # int64 [image tokens of the shard]: rows of the local images' features
 _MAGIC = 0x525350  # "RSP": tells a fingerprint from any other int64 tensor
-_FIELDS = ("magic", "sp_size", "sp_rank", "layout", "global_len", "documents", "positions", "tokens", "labels", "batch")
+_FIELDS = ("magic", "sp_size", "sp_rank", "layout", "global_len", "documents", "positions", "tokens", "labels", "batch",
+           "spans", "images")
 _AGREED = [_FIELDS.index(name) for name in ("global_len", "layout", "batch")]  # ring_sp.agreement.SHARD_WIDTH values
 _FIX = "pass the whole shard of ring_sp.integrations.transformers.shard_batch(batch, topology): model(**shard)"
 _recent: deque[tuple[weakref.ref, torch.Tensor]] = deque(maxlen=16)  # (logits, fingerprint) of recent forwards
@@ -55,18 +62,32 @@ def batch_checksum(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return token_checksum(input_ids) * 1000003 + token_checksum(labels)
 
 
+def images_checksum(pixel_values: object, rows: object) -> torch.Tensor | None:
+    """Checksum of a shard's images: the shape of ``pixel_values`` (how many images, their size)
+    and the image token ``rows`` (0-d, no host sync); None when the call has neither. Not the
+    pixels themselves: a cast to the model's dtype (the Trainer's under DeepSpeed) must pass."""
+    if not isinstance(pixel_values, torch.Tensor) and not isinstance(rows, torch.Tensor):
+        return None
+    shape = torch.tensor(pixel_values.shape if isinstance(pixel_values, torch.Tensor) else (-1,))
+    rows_sum = token_checksum(rows).cpu() if isinstance(rows, torch.Tensor) else torch.tensor(-1)
+    return token_checksum(shape) * 1000003 + rows_sum
+
+
 def fingerprint(*, sp_size: int, sp_rank: int, layout: str, global_len: int, boundaries: Boundaries | None,
                 position_ids: torch.Tensor, input_ids: torch.Tensor | None = None,
-                shift_labels: torch.Tensor | None = None, batch: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``"ring_sp_shard"`` entry: int64 ``[10]`` on the positions' device (-1: not recorded)."""
-    head = torch.tensor([_MAGIC, sp_size, sp_rank, LAYOUTS.index(layout), global_len, _checksum(boundaries), 0, -1, -1, -1],
-                        dtype=torch.int64, device=position_ids.device)
+                shift_labels: torch.Tensor | None = None, batch: torch.Tensor | None = None,
+                spans: Spans | None = None, images: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``"ring_sp_shard"`` entry: int64 ``[12]`` on the positions' device (-1: not recorded)."""
+    head = torch.tensor([_MAGIC, sp_size, sp_rank, LAYOUTS.index(layout), global_len, _checksum(boundaries), 0, -1, -1, -1,
+                         _checksum(spans), -1], dtype=torch.int64, device=position_ids.device)
     head[6] = positions_checksum(position_ids)
     for field, value in (("tokens", input_ids), ("labels", shift_labels)):
         if value is not None:
             head[_FIELDS.index(field)] = token_checksum(value)
+    if images is not None:
+        head[_FIELDS.index("images")] = images
     if batch is not None:
-        head[-1] = batch
+        head[_FIELDS.index("batch")] = batch
     return head
 
 
@@ -103,22 +124,27 @@ def _positions_error(where: str, position_ids: torch.Tensor | None, what: str) -
     return ValueError(f"{where}: position_ids {what}; {_FIX}")
 
 
-def inputs_error(mark: object, input_ids: object, shift_labels: object, where: str) -> ValueError | None:
-    """The model-level check: ``input_ids`` (and ``shift_labels`` when given to the model) are the
-    ones the fingerprint was cut with. None without a fingerprint. One host sync."""
+def inputs_error(mark: object, input_ids: object, shift_labels: object, where: str,
+                 images: torch.Tensor | None = None) -> ValueError | None:
+    """The model-level check: ``input_ids`` (and ``shift_labels`` when given to the model, and the
+    :func:`images_checksum` of its images) are the ones the fingerprint was cut with. None
+    without a fingerprint. One host sync."""
     if not _valid(mark) or not isinstance(input_ids, torch.Tensor):
         return None
-    seen = [token_checksum(input_ids)]
+    seen = {"tokens": token_checksum(input_ids), "images": torch.tensor(-1) if images is None else images}
     if isinstance(shift_labels, torch.Tensor):
-        seen.append(token_checksum(shift_labels))
-    values = torch.cat((mark, torch.stack(seen).to(mark.device))).tolist()  # the one host sync
-    got, seen = dict(zip(_FIELDS, values)), values[len(_FIELDS):]
+        seen["labels"] = token_checksum(shift_labels)
+    values = torch.cat((mark, torch.stack([v.to(mark.device) for v in seen.values()]))).tolist()  # the one host sync
+    got, seen = dict(zip(_FIELDS, values)), dict(zip(seen, values[len(_FIELDS):]))
     if got["global_len"] != input_ids.shape[-1] * got["sp_size"]:
         return None  # a shard of another length: the attention's check_shard names it better
-    if got["tokens"] != -1 and seen[0] != got["tokens"]:
+    if got["tokens"] != -1 and seen["tokens"] != got["tokens"]:
         return ValueError(f"{where}: input_ids are not the shard's: its {SHARD_KEY!r} was cut for other tokens (input_ids "
                           f"of another rank's shard, or of another batch); {_FIX}")
-    return None if len(seen) == 1 else _labels_mismatch(got, seen[1], "given to the model", where)
+    if seen["images"] != got["images"]:
+        return ValueError(f"{where}: pixel_values and {IMAGE_TOKENS_KEY!r} are not the shard's (dropped, or another rank's: "
+                          f"its image features would land on other tokens); {_FIX}")
+    return None if "labels" not in seen else _labels_mismatch(got, seen["labels"], "given to the model", where)
 
 
 def loss_labels_error(mark: torch.Tensor, shift_labels: torch.Tensor, where: str) -> ValueError | None:
@@ -140,12 +166,13 @@ def _labels_mismatch(got: dict[str, int], seen: int, role: str, where: str) -> V
 
 
 def check_shard(mark: object, position_ids: torch.Tensor | None, *, batch: int, local_len: int, layout: str,
-                boundaries: Boundaries | None, topology: SequenceParallelTopology, where: str) -> None:
+                boundaries: Boundaries | None, topology: SequenceParallelTopology, where: str,
+                spans: Spans | None = None) -> None:
     """Raise ``ValueError`` unless this call's shard is the one this rank must run (module docstring).
 
     ``mark``: the call's ``"ring_sp_shard"`` (None for a hand-built shard); ``position_ids``
-    ``[b or 1, n]`` as the attention got them; ``layout``/``boundaries``: what the call will
-    run (the registered layout, document-aware with ``cu_seq_lens``). Local: no collective.
+    ``[b or 1, n]`` as the attention got them; ``layout``/``boundaries``/``spans``: what the call
+    will run (the registered layout, document-aware with ``cu_seq_lens``). Local: no collective.
     """
     sp_size, sp_rank = topology.sp_size, topology.sp_rank
     if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[-1] != local_len):
@@ -181,6 +208,11 @@ def check_shard(mark: object, position_ids: torch.Tensor | None, *, batch: int, 
         if got["documents"] == -1:
             raise ValueError(f"{where}: cu_seq_lens_q/k were passed but the shard was cut without documents; {_FIX}")
         raise ValueError(f"{where}: cu_seq_lens_q/k do not match the documents the shard was cut with; {_FIX}")
+    if got["spans"] != _checksum(spans):
+        what = ("holds bidirectional spans (images) but the attention got none" if spans is None else
+                "holds no bidirectional spans but the attention got some" if got["spans"] == -1 else
+                "was cut with other bidirectional spans than the attention got")
+        raise ValueError(f"{where}: the shard {what} ({SPANS_KEY!r} dropped, added or of another batch); {_FIX}")
     shard_layout = LAYOUTS[got["layout"]] if 0 <= got["layout"] < len(LAYOUTS) else got["layout"]
     if shard_layout != layout:
         raise ValueError(
@@ -208,5 +240,5 @@ def _check_hand_built(position_ids: torch.Tensor, layout: str, boundaries: Bound
                                                     f"({documents})")
 
 
-__all__ = ["SHARD_KEY", "agreed_values", "batch_checksum", "check_shard", "fingerprint", "fingerprint_of", "inputs_error",
+__all__ = ["IMAGE_TOKENS_KEY", "SHARD_KEY", "SPANS_KEY", "images_checksum", "agreed_values", "batch_checksum", "check_shard", "fingerprint", "fingerprint_of", "inputs_error",
            "loss_labels_error", "positions_checksum", "remember"]

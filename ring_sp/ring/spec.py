@@ -22,11 +22,12 @@ from ..layouts import Boundaries
 from ..schedule import BlockTask, ExchangePlan, KernelCaps, exchange_plan
 from ..schedule_cache import ScheduleCache
 from .calls import CallPlan, Launch, kernel_caps
+from ..spans import Spans
 
 
 class RingSpec:
     """Everything the loops need besides tensors: the ring, the layout, the mask (causal,
-    documents), the kernel."""
+    documents, window, bidirectional spans), the kernel."""
 
     # The function that plans each rank's pass, with :func:`ring_sp.schedule.exchange_plan`'s
     # signature. A seam for benchmarks, not a user option: ``benchmarks/window.py`` sets it
@@ -38,7 +39,7 @@ class RingSpec:
     def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
                  local_len: int, cu_seqlens: Boundaries | None = None, window: int | None = None,
                  ulysses_size: int = 1, schedules: ScheduleCache | None = None,
-                 kv_exchange: str = "ring") -> None:
+                 kv_exchange: str = "ring", spans: Spans | None = None) -> None:
         self.comm = comm
         self.kernel = kernel
         self.scale = scale
@@ -53,15 +54,16 @@ class RingSpec:
         caps = kernel_caps(kernel)
         planner = self.exchange_planner
         key = (layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window, caps, ulysses_size,
-               planner)
+               planner, spans)
 
         def build() -> tuple:
             return _ring_schedule(planner, layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
-                                  caps, ulysses_size)
+                                  caps, ulysses_size, spans)
 
         self.schedule, self.recv_rows, self.send_rows, self.calls = (build() if schedules is None
                                                                      else schedules.get(key, build))
-        self.relay_dkv = window is None
+        # (one rank has no ring to relay on: blocks sharing rows, a window's or spans', add up at home)
+        self.relay_dkv = window is None and self.world_size > 1
         # all_gather: the KV of every step is a view of one gathered buffer (ring_sp.ring.kv_exchange)
         self.gather_kv = kv_exchange == "all_gather" and self.world_size > 1
         # One rank whose calls never share a query row: nothing to merge, so no fp32
@@ -80,10 +82,10 @@ class RingSpec:
 
 def _ring_schedule(planner: Callable[..., ExchangePlan], layout: str, causal: bool, rank: int, world_size: int,
                    local_len: int, cu_seqlens: Boundaries | None, window: int | None, caps: KernelCaps,
-                   ulysses_size: int) -> tuple:
+                   ulysses_size: int, spans: Spans | None) -> tuple:
     """(schedule, recv_rows, send_rows, calls) of :class:`RingSpec` (see :func:`ring_sp.schedule.exchange_plan`)."""
     plan = planner(layout, causal, rank, world_size, local_len, cu_seqlens, window, caps.bands,
-                   ulysses_size=ulysses_size)
+                   ulysses_size=ulysses_size, spans=spans)
     # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
     schedule = tuple(
         tasks if step == 0 or not tasks or plan.recv_rows[step][0] == 0

@@ -3,10 +3,11 @@ rows each step exchanges: pure functions of the layout, the mask and the two ran
 apart from the ring loops (:mod:`ring_sp.ring`) so they can be tested exhaustively without
 processes. :mod:`.blocks` holds the block type and the plain layouts' steps,
 :mod:`.documents` cuts them per packed document (``cu_seqlens``), :mod:`.windows` per
-sliding window, and :mod:`.ring_pass` puts a rank's whole pass together (the step
-dispatcher, the work per rank and the :class:`ExchangePlan` the ring runs). :mod:`.calls`
-groups a step's blocks into kernel calls for what a kernel takes, and :mod:`.pairs` counts
-the score pairs those calls compute against the pairs the mask needs.
+sliding window, :mod:`.spans` adds the blocks of bidirectional spans, and :mod:`.ring_pass`
+puts a rank's whole pass together (the step dispatcher, the work per rank and the
+:class:`ExchangePlan` the ring runs). :mod:`.calls` groups a step's blocks into kernel calls
+for what a kernel takes, and :mod:`.pairs` counts the score pairs those calls compute against
+the pairs the mask needs.
 """
 
 from .blocks import BlockTask, bottom_right_window, interval_blocks, ring_step_tasks
@@ -14,6 +15,7 @@ from .calls import KernelCall, KernelCaps, step_calls
 from .documents import document_zigzag_steps, packed_step_tasks
 from .pairs import PairCount, call_pairs, mask_pairs, rank_pair_count
 from .ring_pass import ExchangePlan, Rows, causal_work_per_rank, exchange_plan, step_tasks
+from .spans import span_step_tasks
 from .windows import band_blocks, window_step_tasks
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "packed_step_tasks",
     "rank_pair_count",
     "ring_step_tasks",
+    "span_step_tasks",
     "step_calls",
     "step_tasks",
     "window_step_tasks",

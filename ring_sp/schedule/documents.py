@@ -196,6 +196,15 @@ def _interval_pieces(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor,
     return blocks, torch.cat([p[5].nonzero().flatten() for p in pieces])  # type: ignore[return-value]
 
 
+def matching_pairs(q_ids: torch.Tensor, kv_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every (i, j) with ``q_ids[i] == kv_ids[j]`` (``kv_ids`` sorted), as index LongTensors, by
+    i then j: the (query run, key run) pairs of one document (or span), vectorised."""
+    lo, hi = torch.searchsorted(kv_ids, q_ids), torch.searchsorted(kv_ids, q_ids, right=True)
+    counts = hi - lo
+    qi = torch.arange(q_ids.numel()).repeat_interleave(counts)
+    return qi, lo[qi] + torch.arange(qi.numel()) - (counts.cumsum(0) - counts)[qi]
+
+
 def _document_zigzag_steps(causal: bool, runs: Callable[[int], _ShardRuns], rank: int,
                            sources: list[int]) -> list[tuple[BlockTask, ...]]:
     """The blocks of ring rank ``rank`` against the KV shard of each of ``sources``, from the
@@ -221,10 +230,7 @@ def _document_zigzag_steps(causal: bool, runs: Callable[[int], _ShardRuns], rank
         kv_doc = kv_doc[by_doc]
         kv_start, kv_stop, kv_local = (torch.cat([getattr(r, f) for r in kv])[by_doc] for f in ("start", "stop", "local"))
         kv_source = torch.tensor(others).repeat_interleave(torch.tensor([r.doc.numel() for r in kv]))[by_doc]
-        lo, hi = torch.searchsorted(kv_doc, q.doc), torch.searchsorted(kv_doc, q.doc, right=True)
-        counts = hi - lo
-        qi = torch.arange(q.doc.numel()).repeat_interleave(counts)
-        ki = lo[qi] + torch.arange(qi.numel()) - (counts.cumsum(0) - counts)[qi]
+        qi, ki = matching_pairs(q.doc, kv_doc)
         (qa, qb, ka, kb, flag), pair = _interval_pieces(q.start[qi], q.stop[qi], kv_start[ki], kv_stop[ki])
         q_shift, kv_shift = (q.local - q.start)[qi[pair]], (kv_local - kv_start)[ki[pair]]
         merged, source = _merged((qa + q_shift, qb + q_shift, ka + kv_shift, kb + kv_shift, flag), kv_source[ki[pair]])

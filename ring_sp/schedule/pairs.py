@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from ..layouts import Boundaries, shard_runs
+from ..spans import Spans
 from .blocks import BlockTask, band_pairs
 from .calls import KernelCall, KernelCaps, step_calls
 from .ring_pass import exchange_plan
@@ -62,10 +63,11 @@ def _tiled_pairs(nq: int, nk: int, lo: int | None, hi: int | None, tile: tuple[i
 
 
 def mask_pairs(q_positions: torch.Tensor, kv_positions: torch.Tensor, *, causal: bool, window: int | None = None,
-               cu_seqlens: Boundaries | None = None) -> int:
+               cu_seqlens: Boundaries | None = None, spans: Spans | None = None) -> int:
     """Pairs (query i, key j) of global positions the mask keeps: j in i's document of
-    ``cu_seqlens``, ``j <= i`` if ``causal``, ``j > i - window``. Per query a range of keys,
-    counted by binary search over the sorted keys: O((nq + nk) log nk), no dense mask."""
+    ``cu_seqlens``, ``j <= i`` if ``causal`` (``j < stop`` for i in a bidirectional span
+    ``[start, stop)`` of ``spans``), ``j > i - window``. Per query a range of keys, counted by
+    binary search over the sorted keys: O((nq + nk) log nk), no dense mask."""
     keys = kv_positions.sort().values
     i = q_positions
     if cu_seqlens is None:
@@ -75,6 +77,11 @@ def mask_pairs(q_positions: torch.Tensor, kv_positions: torch.Tensor, *, causal:
         doc = torch.searchsorted(bounds, i, right=True) - 1
         first, stop = bounds[doc], bounds[doc + 1]
     last = i if causal else stop - 1
+    if causal and spans:  # a query inside a span also sees the span's later tokens
+        starts, stops = torch.tensor(spans[0::2]), torch.tensor(spans[1::2])
+        at = (torch.searchsorted(starts, i, right=True) - 1).clamp(min=0)
+        inside = (starts[at] <= i) & (i < stops[at])
+        last = torch.where(inside, torch.maximum(last, stops[at] - 1), last)
     if window is not None:
         first = torch.maximum(first, i - window + 1)
     counts = torch.searchsorted(keys, last, right=True) - torch.searchsorted(keys, first)
@@ -83,17 +90,19 @@ def mask_pairs(q_positions: torch.Tensor, kv_positions: torch.Tensor, *, causal:
 
 def rank_pair_count(layout: str, causal: bool, rank: int, world_size: int, local_len: int,
                     cu_seqlens: Boundaries | None = None, window: int | None = None, *, ulysses_size: int = 1,
-                    caps: KernelCaps = KernelCaps(), tile: tuple[int, int] | None = None) -> PairCount:
+                    caps: KernelCaps = KernelCaps(), tile: tuple[int, int] | None = None,
+                    spans: Spans | None = None) -> PairCount:
     """Ring rank ``rank``'s whole pass (``local_len``: its ring shard, after the Ulysses
-    all-to-all over ``ulysses_size`` ranks): pairs its kernel calls compute (the schedule cut
-    for ``caps``, grouped by :func:`~.calls.step_calls`), pairs its mask needs, calls per step."""
+    all-to-all over ``ulysses_size`` ranks; ``spans``: bidirectional spans): pairs its kernel
+    calls compute (the schedule cut for ``caps``, grouped by :func:`~.calls.step_calls`), pairs
+    its mask needs, calls per step."""
     plan = exchange_plan(layout, causal, rank, world_size, local_len, cu_seqlens, window, caps.bands,
-                         ulysses_size=ulysses_size)
+                         ulysses_size=ulysses_size, spans=spans)
     calls = [step_calls(tasks, caps) for tasks in plan.schedule]
     computed = sum(call_pairs(call, caps, tile) for step in calls for call in step)
     seq_len = local_len * world_size
     positions = [shard_runs(layout, ulysses_size, world_size, seq_len, r, cu_seqlens).positions()
                  for r in range(world_size)]
-    needed = sum(mask_pairs(positions[rank], keys, causal=causal, window=window, cu_seqlens=cu_seqlens)
+    needed = sum(mask_pairs(positions[rank], keys, causal=causal, window=window, cu_seqlens=cu_seqlens, spans=spans)
                  for keys in positions)
     return PairCount(computed, needed, tuple(len(step) for step in calls))

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 import test_trl
-from test_fsdp2 import _environment, compare_trainer_case, cpu_ddp_env, trainer_case, trainer_reference
+from test_fsdp2 import (NOT_DEEPSPEED, _environment, compare_trainer_case, cpu_ddp_env, trainer_case,
+                        trainer_reference)
 
 DS_ENV = {"DS_ACCELERATOR": "cpu"}  # the pools of tests/test_trl.py and tests/test_fsdp2.py
 HAVE_STACK = all(importlib.util.find_spec(m) is not None for m in ("deepspeed", "transformers", "accelerate", "trl"))
@@ -57,7 +58,7 @@ def sft_dropped_config_case(output_dir: str) -> dict[str, Any]:
 
     test_trl._prepare_rank()
     example, out = test_trl._example(), {}
-    with _environment({"ACCELERATE_USE_DEEPSPEED": "false"}):  # accelerate leaves it "true" after a DeepSpeed run
+    with _environment(NOT_DEEPSPEED):
         out["wraps_nothing"] = _error_on_every_rank(lambda: prepare_sequence_parallel(
             TrainingArguments(output_dir=output_dir, report_to="none"), ulysses_size=2, ring_size=2))
     with _environment(cpu_ddp_env()):
@@ -77,13 +78,23 @@ def sft_dropped_config_case(output_dir: str) -> dict[str, Any]:
     return out
 
 
-def test_sft_under_ddp_exact_or_refused(pools, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def ddp_runs(pools, tmp_path_factory) -> dict[str, Any]:
+    """Both default 4-rank runs, before either one-rank reference: one pool switch for the two tests."""
+    root = tmp_path_factory.mktemp("ddp")
+    test_trl._example()  # the rank functions import it by module name
+    pool = pools.get(4, env=DS_ENV)
+    return {"sft": pool.run(sft_dropped_config_case, str(root / "sft"), timeout=400),
+            "trainer": pool.run(trainer_case, (1, 2), str(root / "trainer"), 2, "ddp", timeout=300),
+            "trainer_dir": root / "trainer"}
+
+
+def test_sft_under_ddp_exact_or_refused(pools, ddp_runs: dict[str, Any], tmp_path: Path) -> None:
     """SequenceParallelSFTTrainer with a DeepSpeed config and ACCELERATE_USE_CPU=true (accelerate drops the
     config): ZeRO-1 at U2 x R2 trains under DDP and equals plain TRL on one rank (loss, grad norm, accuracy,
     entropy, tokens, evaluate()); ZeRO-3 at U1 x R4 (the model partitioned by zero.Init) and DDP without use_cpu
     are refused on every rank; rank 1's wrong layout fails every rank at the step's fetch and at evaluation."""
-    test_trl._example()  # the rank functions import it by module name
-    results = pools.get(4, env=DS_ENV).run(sft_dropped_config_case, str(tmp_path / "sp"), timeout=400)
+    results = ddp_runs["sft"]
     ref = test_trl._run_ref(pools, tmp_path, "ref", [*SFT_U2R2, "--zero-stage", "1", "--no-ring-sp",
                                                      "--micro-batch", "2"], evaluate=True)
     assert [(res["engine"], res["wrapped"], res["grid"]) for res in results] == \
@@ -104,14 +115,14 @@ def test_sft_under_ddp_exact_or_refused(pools, tmp_path: Path) -> None:
             assert seconds < 10, (rank, where, seconds)
 
 
-def test_trainer_under_ddp_equals_one_rank(pools, tmp_path: Path) -> None:
+def test_trainer_under_ddp_equals_one_rank(pools, ddp_runs: dict[str, Any], tmp_path: Path) -> None:
     """SequenceParallelTrainer with prepare_sequence_parallel's keywords and use_cpu (DDP, no FSDP) at DP 2 x R2,
     tiled MLP + loss, packed documents: every step, evaluate() and save_model() equal the plain Trainer on one
     rank (the FSDP2 test's reference)."""
-    sp = pools.get(4, env=DS_ENV).run(trainer_case, (1, 2), str(tmp_path / "sp"), 2, "ddp", timeout=300)
+    sp = ddp_runs["trainer"]
     assert [(res["engine"], res["wrapped"]) for res in sp] == [("DDP", "DistributedDataParallel")] * 4
     ref, ref_dir = trainer_reference(pools, tmp_path, 4)
-    compare_trainer_case(sp, ref, tmp_path / "sp", ref_dir, sharded=False)
+    compare_trainer_case(sp, ref, ddp_runs["trainer_dir"], ref_dir, sharded=False)
 
 
 @pytest.mark.slow
@@ -185,3 +196,29 @@ def test_trainer_dropped_deepspeed_config(pools, tmp_path: Path) -> None:
         for name in ("loss", "grad_norm"):
             assert max(hf._rel(g, w) for g, w in zip(res[name], ref[name])) < 1e-5, (name, res[name], ref[name])
     assert max(ref["grad_norm"]) > 1.0  # the clipping ran
+
+
+
+def test_loss_scaling_and_prepared_model_checks(single_rank) -> None:
+    """The table the loss reads (DDP and FSDP2 average over SP, ZeRO 0-2 sum, ZeRO-3 averages), and the check of
+    the model accelerate prepared: another engine than the one the loss was set up for is refused, naming both."""
+    import torch
+
+    from ring_sp.integrations.transformers import engines
+
+    def engine_like(stage: int) -> torch.nn.Module:  # answers like a DeepSpeed engine of ZeRO ``stage``
+        module = torch.nn.Linear(2, 2)
+        module.zero_optimization_stage = lambda: stage
+        return module
+
+    assert engines.Engine(engines.DDP, "x").gradients_averaged_over_sp() is True
+    assert engines.Engine(engines.FSDP2, "x").gradients_averaged_over_sp() is True
+    assert [engines.Engine(engines.DEEPSPEED, "x").gradients_averaged_over_sp(engine_like(s)) for s in range(4)] == \
+        [False, False, False, True]
+    plain = torch.nn.Linear(2, 2)
+    engines.check_prepared(engines.Engine(engines.DDP, "x"), plain)  # one process: nothing to reduce
+    with pytest.raises(ValueError, match=r"set its loss up for DeepSpeed over all 1 ranks but accelerate prepared the "
+                                         r"model as Linear \(no engine\).*configured: DeepSpeed ZeRO-1"):
+        engines.check_prepared(engines.Engine(engines.DEEPSPEED, "DeepSpeed ZeRO-1"), plain)
+    with pytest.raises(ValueError, match=r"set its loss up for DDP .* as DeepSpeed ZeRO-3"):
+        engines.check_prepared(engines.Engine(engines.DDP, "DDP"), engine_like(3))

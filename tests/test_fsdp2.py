@@ -38,6 +38,9 @@ FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP
              "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
              "FSDP_OFFLOAD_PARAMS": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
              "FSDP_ACTIVATION_CHECKPOINTING": "false"}
+# accelerate leaves ACCELERATE_USE_DEEPSPEED=true in a process once an Accelerator had a DeepSpeed plugin (a pool rank
+# that ran a DeepSpeed case); a later Trainer without deepspeed= would then get a DeepSpeed plugin from it
+NOT_DEEPSPEED = {"ACCELERATE_USE_DEEPSPEED": "false"}
 
 
 def cpu_ddp_env() -> dict[str, str]:
@@ -45,7 +48,7 @@ def cpu_ddp_env() -> dict[str, str]:
     import torch.distributed as dist
 
     world = str(dist.get_world_size())
-    return {"ACCELERATE_USE_CPU": "true", "RANK": str(dist.get_rank()), "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
+    return {**NOT_DEEPSPEED, "ACCELERATE_USE_CPU": "true", "RANK": str(dist.get_rank()), "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # accelerate sets the last, and reads nothing of it
 
 
@@ -91,7 +94,7 @@ def _logged(trainer: Any) -> dict[str, list[float]]:
 def sft_case(argv: list[str], output_dir: str, fsdp2: bool) -> dict[str, Any]:
     """examples/trl/sft.py's trainer under FSDP2 (or, fsdp2=False, the one-rank reference); trains, evaluates."""
     _prepare_rank()
-    with _environment(FSDP2_ENV if fsdp2 else {}):
+    with _environment({**NOT_DEEPSPEED, **(FSDP2_ENV if fsdp2 else {})}):
         trainer = load_script("ring_sp_trl_sft", REPO / "examples" / "trl" / "sft.py").build_trainer(
             [*argv, "--output-dir", output_dir])
         trainer.train()
@@ -116,7 +119,8 @@ def trainer_case(grid: tuple[int, int] | None, output_dir: str, micro: int, engi
     opts = ex.parse_args(["--seq-len", "64", "--d-model", "32", "--layers", "2", "--heads", "4",
                           "--kv-heads", str(kv_heads)])
     documents = ex.corpus_documents(100_000)
-    with _environment({} if grid is None else FSDP2_ENV if engine == "fsdp2" else cpu_ddp_env()):
+    with _environment(NOT_DEEPSPEED if grid is None else {**NOT_DEEPSPEED, **FSDP2_ENV} if engine == "fsdp2" else
+                      cpu_ddp_env()):
         args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=2,
                                  use_cpu=grid is not None and engine == "ddp",
                                  max_steps=3, learning_rate=0.5, warmup_steps=0, optim="sgd", max_grad_norm=1.0, seed=0,

@@ -187,6 +187,7 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelSFTTrainer:
     training_args = SFTConfig(
         output_dir=args.output_dir, deepspeed=None if args.fsdp2 or args.ddp else ds_config(args),
         use_cpu=args.ddp and not torch.cuda.is_available(),  # DDP on CPU ranks: accelerate's MULTI_CPU
+        ddp_find_unused_parameters=False if args.ddp else None,  # every parameter is used: no extra graph walk
         per_device_train_batch_size=args.micro_batch,
         per_device_eval_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup, lr_scheduler_type="cosine",

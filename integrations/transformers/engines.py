@@ -211,7 +211,7 @@ def trainer_engine(args: Any, accelerator: Any, model: torch.nn.Module, sp: Ring
     return Engine(DDP, configured)
 
 
-def check_prepared(engine: Engine, wrapped: torch.nn.Module, model: torch.nn.Module) -> None:
+def check_prepared(engine: Engine, wrapped: torch.nn.Module) -> None:
     """Before the first step: the model accelerate prepared (``wrapped``) runs ``engine``, whose
     reduction the loss is scaled for; else every rank raises (the same check on each)."""
     from torch.distributed.fsdp import FSDPModule
@@ -225,8 +225,8 @@ def check_prepared(engine: Engine, wrapped: torch.nn.Module, model: torch.nn.Mod
         found, ok = "FSDP2", engine.kind == FSDP2
     elif hasattr(wrapped, "zero_optimization_stage"):
         found, ok = f"DeepSpeed ZeRO-{wrapped.zero_optimization_stage()}", engine.kind == DEEPSPEED
-    else:
-        found, ok = f"{type(wrapped).__name__} (no engine)", engine.kind == ONE_RANK and wrapped is model
+    else:  # accelerate may leave one process's model unwrapped: nothing to reduce
+        found, ok = f"{type(wrapped).__name__} (no engine)", engine.kind in (DDP, ONE_RANK) and len(ranks) == 1
     if not ok:
         raise ValueError(
             f"ring_sp's trainer set its loss up for {engine.kind} over all {len(ranks)} ranks but accelerate prepared "

@@ -217,7 +217,7 @@ class SequenceParallelTrainer(Trainer):
         it runs the engine the loss is scaled for (:func:`.engines.check_prepared`)."""
         model, loader = super()._prepare_for_training(*args, **kwargs)
         if self.ring_sp_topology is not None:
-            engines.check_prepared(self.ring_sp_engine, model, self.model)
+            engines.check_prepared(self.ring_sp_engine, model)
         return model, loader
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -343,10 +343,11 @@ class SequenceParallelTrainer(Trainer):
         """
         if self.ring_sp_topology is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
-        try:  # the collators shard without communicating: their errors, on any rank, fail every rank here
-            batch_samples, error = super().get_batch_samples(epoch_iterator, num_batches, device)[0], None
-        except (TypeError, ValueError) as exc:
-            batch_samples, error = [], exc
+        batch_samples, error = [], None
+        try:  # Trainer's fetch without its count (nor the count's gather: a collective before the agreement)
+            batch_samples.extend(batch for _, batch in zip(range(num_batches), epoch_iterator))
+        except (TypeError, ValueError) as exc:  # the collators shard without communicating: fail every rank here
+            error = exc
         signature = CallSignature.named("shard", (num_batches,), f"the step's {num_batches} batches")
         raise_together(self.ring_sp_topology.dp_sp_group, signature, error, device=device)
         count = torch.zeros((), dtype=torch.int64, device=device)

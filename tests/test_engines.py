@@ -12,8 +12,10 @@ the fix: a model partitioned by ZeRO-3's ``zero.Init`` with no ZeRO-3 engine (th
 config), and DDP where accelerate wraps nothing (CPU ranks without ``use_cpu``). And in the
 trainers' step a collator's ``shard_batch`` error on ONE rank raises on every rank.
 
-Default suite: one SFT pool run (the refusals, the dropped ZeRO-1 config at U2 x R2, the one-rank
-collator errors) and the Trainer at DP 2 x R2 under DDP; slow: the other grids of the issue.
+Default suite: one 4-rank launch for the SFT case (the refusals, the dropped ZeRO-1 config at U2 x R2,
+the one-rank collator errors) and the Trainer at DP 2 x R2 under DDP, then their one-rank references
+(shared with tests/test_trl.py and tests/test_fsdp2.py); the keywords' refusals on one rank; a unit test
+of the loss-scaling table and the prepared-model check. Slow: the issue's other grids, both trainers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 import pytest
 
 import test_trl
-from test_fsdp2 import (NOT_DEEPSPEED, _environment, compare_trainer_case, cpu_ddp_env, trainer_case,
+from test_fsdp2 import (FSDP2_ENV, NOT_DEEPSPEED, _environment, compare_trainer_case, cpu_ddp_env, trainer_case,
                         trainer_reference)
 
 DS_ENV = {"DS_ACCELERATOR": "cpu"}  # the pools of tests/test_trl.py and tests/test_fsdp2.py
@@ -123,6 +125,37 @@ def test_trainer_under_ddp_equals_one_rank(pools, ddp_runs: dict[str, Any], tmp_
     assert [(res["engine"], res["wrapped"]) for res in sp] == [("DDP", "DistributedDataParallel")] * 4
     ref, ref_dir = trainer_reference(pools, tmp_path, 4)
     compare_trainer_case(sp, ref, ddp_runs["trainer_dir"], ref_dir, sharded=False)
+
+
+def keyword_refusals_case(output_dir: str) -> dict[str, str]:
+    """prepare_sequence_parallel's keywords where no engine can be exact, on one rank: each message."""
+    from transformers import TrainingArguments
+
+    from ring_sp.integrations.transformers.trainer import prepare_sequence_parallel
+
+    test_trl._prepare_rank()
+    plain = dict(output_dir=output_dir, report_to="none", save_strategy="no")
+    cases = {
+        "use_cpu with FSDP2": ({**cpu_ddp_env(), **FSDP2_ENV}, {}),
+        "an accelerate DeepSpeed launch": ({"ACCELERATE_USE_DEEPSPEED": "true"}, {}),
+        "offload_checkpoints": (cpu_ddp_env(), {"offload_checkpoints": True}),
+    }
+    errors = {}
+    for name, (env, extra) in cases.items():
+        with _environment({**NOT_DEEPSPEED, **env}):
+            errors[name] = _error_on_every_rank(lambda: prepare_sequence_parallel(  # noqa: B023 -- called at once
+                TrainingArguments(**plain), ulysses_size=1, ring_size=1, **extra))[0]
+    return errors
+
+
+def test_keyword_refusals(pools, tmp_path: Path) -> None:
+    """The keywords refused with the fix: use_cpu beside FSDP2 (accelerate would wrap in DDP), an accelerate
+    DeepSpeed launch (the settings belong in its config), offload_checkpoints (DeepSpeed's engine set-up only)."""
+    (errors,) = pools.get(1, env=DS_ENV).run(keyword_refusals_case, str(tmp_path), timeout=120)
+    assert "with FSDP2: accelerate 1.15 then wraps the model in DistributedDataParallel" in errors["use_cpu with FSDP2"]
+    assert "accelerate runs DeepSpeed" in errors["an accelerate DeepSpeed launch"] and \
+        '"ring_sp" section' in errors["an accelerate DeepSpeed launch"]
+    assert "offload_checkpoints=True is not supported without DeepSpeed" in errors["offload_checkpoints"]
 
 
 @pytest.mark.slow

@@ -22,7 +22,9 @@ already-agreed signature while its peers do not is not caught.
 
 An error found BEFORE a call, outside it (a model's inputs, say), joins the next agreement
 with :func:`raise_at_next_agreement`, so the ranks fail together at the point where they
-all are: the first attention call.
+all are: the first attention call. Where every rank of a group passes one point before any
+collective of its own (``shard_batch``, a trainer fetching its step's batches),
+:func:`raise_together` makes that point an agreement.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ ENV_FLAG = "RING_SP_VALIDATE"
 WIDTH = 28  # the values of every signature (padded): every agreement on a group exchanges one size
 SHARD_WIDTH = 3  # the shard's values every rank must share (-1: none given)
 ROW = 1 + WIDTH + SHARD_WIDTH  # error flag, signature, shard
-_KINDS = ("attention", "loss", "error")
+_KINDS = ("attention", "loss", "error", "shard")
 _CACHE_SIZE = 4096
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _OFF = ("0", "false", "no", "off")
@@ -95,7 +97,7 @@ class CallSignature:
 
     @staticmethod
     def named(kind: str, values: tuple[int, ...], text: str) -> CallSignature:
-        """A signature of ``kind`` (one of ``attention``, ``loss``, ``error``): ``values`` padded to :data:`WIDTH`."""
+        """A signature of ``kind`` (``attention``, ``loss``, ``error``, ``shard``): ``values`` padded to :data:`WIDTH`."""
         if len(values) >= WIDTH:
             raise ValueError(f"a signature holds at most {WIDTH - 1} values; got {len(values)}")
         return CallSignature((_KINDS.index(kind), *values, *(-1,) * (WIDTH - 1 - len(values))), f"{kind}: {text}")
@@ -213,8 +215,11 @@ def _group_key(group: dist.ProcessGroup) -> tuple[str, tuple[int, ...]]:
 
 
 def _device_for(group: dist.ProcessGroup, hint: torch.device) -> torch.device:
-    """NCCL collectives need CUDA tensors; gloo takes CPU ones."""
-    return hint if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    """NCCL collectives need CUDA tensors (the current device when ``hint`` is not one, e.g. a
+    collator's CPU batch); gloo takes CPU ones."""
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    return hint if hint.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
 
 
 def agree(group: dist.ProcessGroup, signature: CallSignature, local_error: Exception | None, *,
@@ -258,6 +263,18 @@ def agree(group: dist.ProcessGroup, signature: CallSignature, local_error: Excep
     dist.all_gather_object(reports, (None if local_error is None else f"{type(local_error).__name__}: {local_error}", text),
                            group=group)
     raise ValueError(_disagreement_message(dist.get_process_group_ranks(group), table, reports))
+
+
+def raise_together(group: dist.ProcessGroup, signature: CallSignature, error: Exception | None, *,
+                   validate: bool | None = None, device: torch.device = torch.device("cpu")) -> None:
+    """Raise ``error`` (this rank's, or None) on every rank of ``group`` if any rank has one: with
+    validation on (:func:`validation_requested`) and more than one rank, one :func:`agree` (every
+    rank of ``group`` calls this at the same point, before any collective of its own); else
+    ``error`` raises here, on this rank alone. Returns when no rank has an error."""
+    if validation_requested(validate) and dist.get_world_size(group) > 1:
+        agree(group, signature, error, always=True, device=device)
+    if error is not None:
+        raise error
 
 
 def _everywhere(error: Exception, ranks: list[int], me: int) -> Exception:

@@ -38,6 +38,20 @@ FSDP2_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP
              "FSDP_RESHARD_AFTER_FORWARD": "true", "FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT",
              "FSDP_OFFLOAD_PARAMS": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
              "FSDP_ACTIVATION_CHECKPOINTING": "false"}
+# accelerate leaves ACCELERATE_USE_DEEPSPEED=true in a process once an Accelerator had a DeepSpeed plugin (a pool rank
+# that ran a DeepSpeed case); a later Trainer without deepspeed= would then get a DeepSpeed plugin from it
+NOT_DEEPSPEED = {"ACCELERATE_USE_DEEPSPEED": "false"}
+
+
+def cpu_ddp_env() -> dict[str, str]:
+    """What ``torchrun`` and ``TrainingArguments(use_cpu=True)`` give this pool rank (accelerate's MULTI_CPU: DDP)."""
+    import torch.distributed as dist
+
+    world = str(dist.get_world_size())
+    return {**NOT_DEEPSPEED, "ACCELERATE_USE_CPU": "true", "RANK": str(dist.get_rank()), "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # accelerate sets the last, and reads nothing of it
+
+
 # TRL: 3 SGD steps of BFD-packed rows of 128 tokens (the GLOBAL length), 2 micro-batches each, clipped at 1.0
 SFT = ["--max-length", "128", "--documents", "48", "--eval-documents", "8", "--d-model", "32", "--layers", "2",
        "--steps", "3", "--optim", "sgd", "--lr", "0.5", "--warmup", "0", "--max-grad-norm", "1.0", "--grad-accum", "2",
@@ -80,7 +94,7 @@ def _logged(trainer: Any) -> dict[str, list[float]]:
 def sft_case(argv: list[str], output_dir: str, fsdp2: bool) -> dict[str, Any]:
     """examples/trl/sft.py's trainer under FSDP2 (or, fsdp2=False, the one-rank reference); trains, evaluates."""
     _prepare_rank()
-    with _environment(FSDP2_ENV if fsdp2 else {}):
+    with _environment({**NOT_DEEPSPEED, **(FSDP2_ENV if fsdp2 else {})}):
         trainer = load_script("ring_sp_trl_sft", REPO / "examples" / "trl" / "sft.py").build_trainer(
             [*argv, "--output-dir", output_dir])
         trainer.train()
@@ -91,19 +105,24 @@ def sft_case(argv: list[str], output_dir: str, fsdp2: bool) -> dict[str, Any]:
     return out
 
 
-def trainer_case(grid: tuple[int, int] | None, output_dir: str, micro: int) -> dict[str, Any]:
-    """SequenceParallelTrainer on packed documents (DataCollatorWithFlattening) under FSDP2 at ``grid``
-    with the tiled MLP + loss, or (grid None) the plain Trainer on one rank with sdpa."""
+def trainer_case(grid: tuple[int, int] | None, output_dir: str, micro: int, engine: str = "fsdp2",
+                 kv_heads: int = 2) -> dict[str, Any]:
+    """SequenceParallelTrainer on packed documents (DataCollatorWithFlattening) under FSDP2 (or
+    ``engine="ddp"``: DDP, use_cpu) at ``grid`` with the tiled MLP + loss, or (grid None) the plain
+    Trainer on one rank with sdpa; a Llama of 4 query and ``kv_heads`` KV heads."""
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, TrainingArguments
 
     from ring_sp.integrations.transformers.trainer import SequenceParallelTrainer, prepare_sequence_parallel
 
     _prepare_rank()
     ex = load_script("ring_sp_transformers_train_llama_trainer", REPO / "examples" / "transformers" / "train_llama_trainer.py")
-    opts = ex.parse_args(["--seq-len", "64", "--d-model", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2"])
+    opts = ex.parse_args(["--seq-len", "64", "--d-model", "32", "--layers", "2", "--heads", "4",
+                          "--kv-heads", str(kv_heads)])
     documents = ex.corpus_documents(100_000)
-    with _environment(FSDP2_ENV if grid else {}):
+    with _environment(NOT_DEEPSPEED if grid is None else {**NOT_DEEPSPEED, **FSDP2_ENV} if engine == "fsdp2" else
+                      cpu_ddp_env()):
         args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=2,
+                                 use_cpu=grid is not None and engine == "ddp",
                                  max_steps=3, learning_rate=0.5, warmup_steps=0, optim="sgd", max_grad_norm=1.0, seed=0,
                                  data_seed=0, logging_steps=1, save_strategy="no", report_to="none",
                                  dataloader_drop_last=True, per_device_eval_batch_size=micro)
@@ -118,7 +137,9 @@ def trainer_case(grid: tuple[int, int] | None, output_dir: str, micro: int) -> d
                                           data_collator=DataCollatorWithFlattening())
         trainer.train()
         out = {**_logged(trainer), "eval": trainer.evaluate()["eval_loss"], "sharded": _sharded(trainer.model),
-               "tiled": getattr(trainer.model, "ring_sp_long_sequence", None) is not None}
+               "tiled": getattr(trainer.model, "ring_sp_long_sequence", None) is not None,
+               "engine": None if trainer.ring_sp_engine is None else trainer.ring_sp_engine.kind,
+               "wrapped": type(trainer.model_wrapped).__name__}
         trainer.save_model(os.path.join(output_dir, "final"))  # FSDP2 on CPU: the full state dict, written by rank 0
         if grid is None:
             out["token_mean"] = _token_mean(trainer)
@@ -126,13 +147,13 @@ def trainer_case(grid: tuple[int, int] | None, output_dir: str, micro: int) -> d
 
 
 def _compare(results: list[dict[str, Any]], ref: dict[str, Any], *, keys: tuple[str, ...] = ("loss", "grad_norm"),
-             max_grad_norm: float = 1.0) -> None:
+             max_grad_norm: float = 1.0, sharded: bool = True) -> None:
     assert ref["step"] == [1, 2, 3] and ref["loss"][-1] < ref["loss"][0], ref  # it trains
     assert max(ref["grad_norm"]) > max_grad_norm, ref["grad_norm"]  # so the clipping ran, on the norm over all ranks
     for res in results:
         # accelerate's units: the root, each decoder layer, the embeddings, [final norm, LM head]
         units = {name.rsplit("model.", 1)[-1] for name in res["sharded"]}  # PEFT prefixes base_model.model.
-        assert {"", "layers.0", "layers.1", "embed_tokens"} <= units, res["sharded"]
+        assert not sharded or {"", "layers.0", "layers.1", "embed_tokens"} <= units, res["sharded"]
         assert res["step"] == ref["step"], res
         for key in keys:
             assert max(_rel(g, w) for g, w in zip(res[key], ref[key])) < 1e-5, (key, res[key], ref[key])
@@ -175,21 +196,42 @@ def test_sft_fsdp2_sweep(pools, tmp_path: Path, grid: tuple[int, int], extra: li
     _compare(sp, ref, keys=("loss", "grad_norm", "accuracy"), max_grad_norm=clip)
 
 
+_REFERENCES: dict[tuple, tuple[dict[str, Any], Path]] = {}  # one-rank reference runs, shared by the tests (test_engines.py)
+
+
+def trainer_reference(pools, tmp_path: Path, micro: int, kv_heads: int = 2) -> tuple[dict[str, Any], Path]:
+    """The plain Trainer's run of :func:`trainer_case` on one rank with sdpa (micro-batch ``micro``) and its
+    output folder; run once per session."""
+    key = (micro, kv_heads)
+    if key not in _REFERENCES:
+        (ref,) = pools.get(1, env=DS_ENV).run(trainer_case, None, str(tmp_path / "ref"), micro, "fsdp2", kv_heads,
+                                              timeout=300)
+        _REFERENCES[key] = ref, tmp_path / "ref"
+    return _REFERENCES[key]
+
+
+def compare_trainer_case(sp: list[dict[str, Any]], ref: dict[str, Any], sp_dir: Path, ref_dir: Path,
+                         sharded: bool = True) -> None:
+    """:func:`trainer_case`'s runs against the reference: every step, the exact eval loss, save_model()'s weights."""
+    assert all(res["tiled"] for res in sp)
+    _compare(sp, ref, sharded=sharded)
+    assert all(_rel(res["eval"], ref["token_mean"]) < 1e-5 for res in sp), ([r["eval"] for r in sp], ref["token_mean"])
+    # save_model(): the whole trained model (gathered from the shards under FSDP2) equals the reference's
+    got, want = (load_file(str(folder / "final" / "model.safetensors")) for folder in (sp_dir, ref_dir))
+    assert want.keys() <= got.keys() and torch.equal(got.get("lm_head.weight", got["model.embed_tokens.weight"]),
+                                                     got["model.embed_tokens.weight"])  # tied embeddings
+    worst = max(((got[name] - w).norm() / w.norm()).item() for name, w in want.items())
+    assert worst < 1e-5, worst
+
+
 def test_trainer_fsdp2_equals_one_rank(pools, tmp_path: Path) -> None:
     """SequenceParallelTrainer, FSDP2 at DP2 x R2 on 4 ranks with the tiled MLP + loss, packed documents of
     unequal length, GA 2: every step's loss and grad norm equal the plain Trainer's on one rank with sdpa (the
     replicas' global batch on it); evaluate() after training gives the exact token mean of the held-out set."""
     sp = pools.get(4, env=DS_ENV).run(trainer_case, (1, 2), str(tmp_path / "sp"), 2, timeout=300)
-    assert all(res["tiled"] for res in sp)
-    (ref,) = pools.get(1, env=DS_ENV).run(trainer_case, None, str(tmp_path / "ref"), 4, timeout=300)
-    _compare(sp, ref)
-    assert all(_rel(res["eval"], ref["token_mean"]) < 1e-5 for res in sp), ([r["eval"] for r in sp], ref["token_mean"])
-    # save_model(): the whole trained model, gathered from the shards, equals the reference's after the same steps
-    got, want = (load_file(str(tmp_path / run / "final" / "model.safetensors")) for run in ("sp", "ref"))
-    assert want.keys() <= got.keys() and torch.equal(got.get("lm_head.weight", got["model.embed_tokens.weight"]),
-                                                     got["model.embed_tokens.weight"])  # tied embeddings
-    worst = max(((got[name] - w).norm() / w.norm()).item() for name, w in want.items())
-    assert worst < 1e-5, worst
+    assert all(res["engine"] == "FSDP2" for res in sp)
+    ref, ref_dir = trainer_reference(pools, tmp_path, 4)
+    compare_trainer_case(sp, ref, tmp_path / "sp", ref_dir)
 
 
 def refusals_case(output_dir: str) -> dict[str, str]:
@@ -215,7 +257,6 @@ def refusals_case(output_dir: str) -> dict[str, str]:
         TrainingArguments(**plain, deepspeed=deepspeed), ulysses_size=1, ring_size=1))
     refused("fsdp1", {**FSDP2_ENV, "FSDP_VERSION": "1"},
             lambda: prepare_sequence_parallel(TrainingArguments(**plain), ulysses_size=1, ring_size=1))
-    refused("no_fsdp", {}, lambda: prepare_sequence_parallel(TrainingArguments(**plain), ulysses_size=1, ring_size=1))
     refused("unknown_key", FSDP2_ENV, lambda: prepare_sequence_parallel(TrainingArguments(**plain), ulysses_sise=1))
     refused("bad_value", FSDP2_ENV, lambda: prepare_sequence_parallel(TrainingArguments(**plain), ring_size=0))
 
@@ -232,13 +273,13 @@ def refusals_case(output_dir: str) -> dict[str, str]:
 
 
 def test_unsupported_setups_raise(pools, tmp_path: Path) -> None:
-    """Keywords beside a DeepSpeed section, FSDP1, keywords without FSDP, bad keywords (named as the section's
-    keys), and FSDP2 checkpoints where the trainer shards the model itself: each a clear error with the fix."""
+    """Keywords beside a DeepSpeed section, FSDP1, bad keywords (named as the section's keys), and FSDP2
+    checkpoints where the trainer shards the model itself: each a clear error with the fix (keywords without
+    FSDP are DDP: tests/test_engines.py)."""
     (errors,) = pools.get(1, env=DS_ENV).run(refusals_case, str(tmp_path), timeout=120)
     assert "keyword settings {'ulysses_size': 1, 'ring_size': 1} AND TrainingArguments.deepspeed" in \
         errors["deepspeed_and_keywords"] and '"ring_sp" section' in errors["deepspeed_and_keywords"]
     assert "FSDP version 1" in errors["fsdp1"] and "fsdp_version: 2" in errors["fsdp1"]
-    assert "FSDP is not configured" in errors["no_fsdp"] and "accelerate launch --config_file" in errors["no_fsdp"]
     assert "ring_sp.ulysses_sise is not a known key; did you mean 'ulysses_size'?" in errors["unknown_key"]
     assert "ring_sp.ring_size=0 must be >= 1" in errors["bad_value"]
     assert "does not support save_strategy='steps' on CPU ranks" in errors["checkpoints_on_cpu"] \

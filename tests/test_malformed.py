@@ -124,8 +124,8 @@ def _mutated(name: str, shard: dict[str, Any], batch: dict[str, torch.Tensor], p
         s["shift_labels"] = s["input_ids"].clone()  # HF's labels = input_ids, not shifted
         return s
     if name == "shard of another global batch of the same shapes (odd ranks)":
-        other = {**batch, "input_ids": batch["input_ids"].flip(-1)}
-        return rsp_hf.shard_batch(other, topo) if topo.sp_rank % 2 else s
+        other = rsp_hf.shard_batch({**batch, "input_ids": batch["input_ids"].flip(-1)}, topo)  # every rank cuts it
+        return other if topo.sp_rank % 2 else s
     if name.startswith("loss with") or name == "valid shard (control)":
         return s
     if name == "shard of the same rank on another grid of the same size (U1xR4)":
@@ -360,3 +360,76 @@ def test_gpt_example_cu_seqlens_are_checked_on_every_rank(pools) -> None:
     _assert_outcomes(pool.run(gpt_cu_seqlens_case, timeout=120), GPT_MUTATIONS, {})
     control = pool.run(gpt_cu_seqlens_case, False, timeout=120)
     assert all(res["cu_seqlens dropped"].startswith("WRONG") for res in control), control
+
+
+# ---- shard_batch's own errors on ONE rank (issue 39) -----------------------------------------
+
+# what rank 1 alone passes to shard_batch -> the error every rank must raise (the agreement names rank 1)
+SHARD_BATCH_ON_ONE_RANK: dict[str, str] = {
+    "layout= not register()'s": "layout='contiguous' but register\\(\\) was given layout='zigzag'",
+    "topology= not a topology": "topology must be a ring_sp.SequenceParallelTopology",
+    "topology= of another size (U1xR2)": "cut for 2 sequence-parallel ranks",  # the attention finds it
+    "batch without input_ids": "must be a mapping with 'input_ids'",
+    "batch with a 1-D input_ids": "must be an integer tensor \\[batch, seq\\]",
+}
+
+
+def shard_batch_one_rank_case(packed: bool) -> dict[str, str]:
+    """Every rank: ``shard_batch`` (rank 1 with one of :data:`SHARD_BATCH_ON_ONE_RANK`), then the model and the
+    loss as a training loop runs them; "exact" or "error (<seconds> s): <message>" per mutation, with DEFAULT
+    settings. The valid shard (control) must be exact."""
+    import dist_cases
+    import ring_sp.integrations.transformers as rsp_hf
+    from test_transformers import _global_batch, _models, _reference_run
+
+    topo, other = dist_cases.topology(2, 2), dist_cases.topology(1, 2)  # made by every rank (collective)
+    rsp_hf.register(topo, layout="zigzag")
+    batch = _global_batch(packed)
+    reference, model = _models("llama", torch.float32, "from_config")
+    ref_logits, _, _ = _reference_run(reference, batch)
+    model.eval()
+    saved = os.environ.pop("RING_SP_VALIDATE", None)  # DEFAULT settings
+    out = {}
+    try:
+        for name in ["valid shard (control)", *SHARD_BATCH_ON_ONE_RANK]:
+            given, layout, topology = dict(batch), "zigzag", topo
+            if topo.sp_rank == 1:
+                if name.startswith("layout="):
+                    layout = "contiguous"
+                elif name == "topology= not a topology":
+                    topology = "U2xR2"
+                elif name.startswith("topology= of another size"):
+                    topology = other
+                elif name == "batch without input_ids":
+                    given["tokens"] = given.pop("input_ids")
+                elif name == "batch with a 1-D input_ids":
+                    given["input_ids"] = given["input_ids"].flatten()
+            start = time.perf_counter()
+            try:
+                shard = rsp_hf.shard_batch(given, topology, layout=layout)
+                with torch.no_grad():
+                    logits = model(**{k: v for k, v in shard.items() if k != "shift_labels"}).logits
+                    rsp_hf.causal_lm_loss(logits, shard["shift_labels"], topology=topo,
+                                          gradients_averaged_over_sp=False)
+            except (ValueError, TypeError) as exc:
+                out[name] = f"error ({time.perf_counter() - start:.1f} s): {exc}"
+                continue
+            cu = shard.get("cu_seq_lens_q")
+            gathered = topo.gather_sequence(logits, layout="document_zigzag" if cu is not None else "zigzag",
+                                            cu_seqlens=cu, seq_len=None if cu is None else batch["input_ids"].numel())
+            error = (gathered.reshape(ref_logits.shape) - ref_logits).abs().max().item()
+            out[name] = "exact" if error <= 2e-4 * max(1.0, ref_logits.abs().max().item()) else f"WRONG: {error:.3g}"
+    finally:
+        if saved is not None:
+            os.environ["RING_SP_VALIDATE"] = saved
+    return out
+
+
+def test_shard_batch_error_on_one_rank_fails_every_rank(pools) -> None:
+    """A wrong layout, a wrong topology, a batch without input_ids (or with 1-D ones) given to shard_batch on rank 1
+    alone: every rank raises rank 1's error within 10 s (shard_batch's agreement, or the attention's for a topology
+    of another size), never a peer waiting in the model's first collective."""
+    results = pools.get(4).run(shard_batch_one_rank_case, True, timeout=120)
+    assert all(res["valid shard (control)"] == "exact" for res in results), results
+    _assert_outcomes(results, {name: f"argument check failed on rank\\(s\\) \\[1\\][\\s\\S]*{want}"
+                               for name, want in SHARD_BATCH_ON_ONE_RANK.items()}, {})

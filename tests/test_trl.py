@@ -59,12 +59,18 @@ def train_case(argv: list[str], output_dir: str, evaluate: bool = False) -> dict
     _prepare_rank()
     trainer = _example().build_trainer([*argv, "--output-dir", output_dir])
     trainer.train()
+    return results_of(trainer, evaluate)
+
+
+def results_of(trainer: Any, evaluate: bool = False) -> dict[str, Any]:
+    """A trained trainer's logged values per step, its grid and engine (and evaluate()'s, if asked)."""
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     out = {key: [entry[key] for entry in logs] for key in ("step", "loss", "grad_norm", "mean_token_accuracy",
                                                              "entropy", "num_tokens")}
     topology = trainer.ring_sp_topology
     out["grid"] = None if topology is None else (topology.ulysses_size, topology.ring_size, topology.dp_size)
-    out["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
+    out["zero_stage"] = getattr(trainer.model_wrapped, "zero_optimization_stage", lambda: None)()  # None: not DeepSpeed
+    out["engine"] = None if trainer.ring_sp_engine is None else trainer.ring_sp_engine.kind
     out["trainable"] = sum(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters() if p.requires_grad)
     if evaluate:
         out["eval"] = trainer.evaluate()
@@ -135,8 +141,16 @@ def _run_sp(pools, tmp_path: Path, name: str, grid: tuple[int, int], stage: int,
     return sp, [*args, "--no-ring-sp", "--micro-batch", str(micro * dp)]
 
 
+_REFERENCES: dict[tuple, dict[str, Any]] = {}  # one-rank reference runs by arguments, shared (tests/test_engines.py)
+
+
 def _run_ref(pools, tmp_path: Path, name: str, ref_args: list[str], evaluate: bool = False) -> dict[str, Any]:
-    (ref,) = pools.get(1, env=DS_ENV).run(train_case, ref_args, str(tmp_path / name / "ref"), evaluate, timeout=400)
+    """Plain TRL on one rank with sdpa (``--no-ring-sp``), run once per session for the same arguments."""
+    key = (*ref_args, evaluate)
+    if key not in _REFERENCES:
+        (_REFERENCES[key],) = pools.get(1, env=DS_ENV).run(train_case, ref_args, str(tmp_path / name / "ref"), evaluate,
+                                                           timeout=400)
+    ref = _REFERENCES[key]
     assert ref["grid"] is None
     return ref
 

@@ -11,11 +11,14 @@ built from a config (Llama, 4 query / 2 KV heads), the tokenizer is a byte-level
     examples/trl/sft.sh --cpu                      # 4 CPU ranks, U2 x R2, ZeRO-1 (DeepSpeed launcher)
     examples/trl/sft.sh --bf16 --ring-size 4       # every GPU of this machine
     examples/trl/sft.sh --cpu --fsdp2              # FSDP2 instead: accelerate launch --config_file fsdp2.yaml
+    examples/trl/sft.sh --cpu --ddp                # DDP instead (no DeepSpeed, no FSDP)
 
 ``--fsdp2`` trains without DeepSpeed: the config's ``"ring_sp"`` section becomes
 ``prepare_sequence_parallel``'s keywords (the same settings) and FSDP2 shards the model over
 all ranks (accelerate on GPUs; on CPU ranks the trainer itself, as accelerate 1.15 sets no
 FSDP up there). ``--fsdp2`` must run under ``accelerate launch`` with an FSDP2 config.
+``--ddp`` takes the same keywords without FSDP: plain ``DistributedDataParallel`` over all ranks
+(``use_cpu=True`` on CPU ranks, where accelerate wraps nothing otherwise); any launcher.
 
 ``--max-length`` is the GLOBAL length of a packed row (TRL's BFD packing: documents never
 split, ``position_ids`` restarting per document), cut over the ``U x R`` ranks. ``--data
@@ -63,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
     p.add_argument("--fsdp2", action="store_true",
                    help="FSDP2 instead of DeepSpeed (run under accelerate launch --config_file fsdp2.yaml)")
+    p.add_argument("--ddp", action="store_true",
+                   help="DDP instead of DeepSpeed: the section's settings as keywords, no FSDP (use_cpu on CPU ranks)")
     p.add_argument("--no-ring-sp", action="store_true",
                    help='reference run: disable the ring_sp section, attn_implementation="sdpa" (use one rank)')
     p.add_argument("--model", choices=["llama", "mistral"], default="llama",
@@ -110,7 +115,11 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 def datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
     """(train, eval) built locally from the stdlib's docstrings: plain text or prompt / completion."""
-    docs = [d.decode("utf-8", errors="replace").strip() for d in _docstrings(4_000_000)]
+    wanted = args.documents + args.eval_documents
+    pieces = _docstrings(min(4_000_000, 2_000 * wanted))  # the stdlib parsed only as far as needed: the same first
+    if len(pieces) < wanted:                               # documents, in file order, without seconds of parsing
+        pieces = _docstrings(4_000_000)
+    docs = [d.decode("utf-8", errors="replace").strip() for d in pieces]
     docs = [d[: 3 * args.max_length] for d in docs]  # some longer than a row: BFD truncates, bfd_split splits them
     train, held_out = docs[: args.documents], docs[args.documents: args.documents + args.eval_documents]
 
@@ -135,7 +144,7 @@ def model_config(args: argparse.Namespace, vocab_size: int, pad_id: int, eos_id:
 
 
 def ring_sp_keywords(args: argparse.Namespace) -> dict:
-    """--fsdp2: the config's "ring_sp" section (with the overrides) as prepare_sequence_parallel's keywords."""
+    """--fsdp2 / --ddp: the config's "ring_sp" section (with the overrides) as prepare_sequence_parallel's keywords."""
     return dict(ds_config(args)[rsp_ds.SECTION])
 
 
@@ -176,7 +185,9 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelSFTTrainer:
         disable_progress_bars()  # datasets' preparation bars once, not once per rank
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
     training_args = SFTConfig(
-        output_dir=args.output_dir, deepspeed=None if args.fsdp2 else ds_config(args),
+        output_dir=args.output_dir, deepspeed=None if args.fsdp2 or args.ddp else ds_config(args),
+        use_cpu=args.ddp and not torch.cuda.is_available(),  # DDP on CPU ranks: accelerate's MULTI_CPU
+        ddp_find_unused_parameters=False if args.ddp else None,  # every parameter is used: no extra graph walk
         per_device_train_batch_size=args.micro_batch,
         per_device_eval_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps, learning_rate=args.lr, warmup_steps=args.warmup, lr_scheduler_type="cosine",
@@ -187,7 +198,7 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelSFTTrainer:
         loss_type=args.loss_type, eval_strategy="steps" if args.eval_steps else "no",
         eval_steps=args.eval_steps or None, ddp_timeout=args.timeout_s, dataloader_pin_memory=torch.cuda.is_available(),
     )
-    if args.fsdp2:  # ring_sp: the same settings as keywords; FSDP2 comes from accelerate launch's config
+    if args.fsdp2 or args.ddp:  # ring_sp: the same settings as keywords; FSDP2 comes from accelerate launch's config
         topology = prepare_sequence_parallel(training_args, **ring_sp_keywords(args))
     else:
         topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
@@ -208,10 +219,11 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelSFTTrainer:
         processing_class=tokenizer, peft_config=peft_config)
     if dist.get_rank() == 0:
         dp = dist.get_world_size() if topology is None else topology.dp_size
+        engine = "FSDP2" if args.fsdp2 else "DDP" if args.ddp else "DeepSpeed"
         grid = "1 (sdpa)" if topology is None else f"{topology.ulysses_size}x{topology.ring_size} (ulysses x ring)"
         print(f"{args.model} {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
               f"{args.micro_batch * args.grad_accum * dp} rows of <= {args.max_length} tokens per step; world "
-              f"{dist.get_world_size()} = DP {dp} x SP {grid}; {'FSDP2' if args.fsdp2 else 'DeepSpeed'}",
+              f"{dist.get_world_size()} = DP {dp} x SP {grid}; {engine}",
               file=sys.stderr)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(StepProgress(args.steps, args.log_json))

@@ -5,6 +5,7 @@
 #   examples/trl/sft.sh [ARGS...]                 every GPU of this machine (NCCL)
 #   examples/trl/sft.sh --cpu --fsdp2 [ARGS...]   FSDP2 instead of DeepSpeed: accelerate launch with fsdp2.yaml
 #   examples/trl/sft.sh --fsdp2 [ARGS...]         FSDP2 on every GPU of this machine
+#   examples/trl/sft.sh --cpu --ddp [ARGS...]     DDP instead of DeepSpeed (no FSDP), the same launcher
 #
 # ARGS go to sft.py, e.g. --steps 100 --log-json --ulysses-size 1 --ring-size 4 --zero-stage 3 --lora.
 # Environment: NUM_RANKS (CPU ranks, default 4), MASTER_PORT (default 29500), PYTHON, LAUNCHER (deepspeed or
@@ -13,12 +14,13 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cpu=()
 fsdp2=0
-while [[ $# -gt 0 && ( "$1" == --cpu || "$1" == --fsdp2 ) ]]; do
-  if [[ "$1" == --cpu ]]; then cpu=(--cpu); else fsdp2=1; fi
+ddp=()
+while [[ $# -gt 0 && ( "$1" == --cpu || "$1" == --fsdp2 || "$1" == --ddp ) ]]; do
+  if [[ "$1" == --cpu ]]; then cpu=(--cpu); elif [[ "$1" == --ddp ]]; then ddp=(--ddp); else fsdp2=1; fi
   shift
 done
 if [[ $fsdp2 == 0 ]]; then
-  exec "$here/../common/deepspeed_launch.sh" "$here/sft.py" "${cpu[@]}" "$@"
+  exec "$here/../common/deepspeed_launch.sh" "$here/sft.py" "${cpu[@]}" "${ddp[@]}" "$@"
 fi
 # FSDP2: accelerate launch. PYTHON if set, else the project's .venv (make setup) when it exists, else python.
 venv_python="$here/../../.venv/bin/python"

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ring_sp import SequenceParallelTopology, sequence_parallel_cross_entropy
+from ring_sp.agreement import CallSignature, raise_together
 from ring_sp.data import IGNORE_INDEX
 from ring_sp.integrations.gradient_reduction import gradients_averaged_over_sp
 from ring_sp.integrations.transformers.loss import check_loss_inputs  # imports no transformers
@@ -56,19 +57,26 @@ def evaluation_loss(batches: Any, loss_sum_of: Callable[[Any], tuple[torch.Tenso
     group without ``topology``) ONCE at the end, so the mean is what one rank holding every
     whole sequence computes. Every rank runs as many forwards as the busiest replica (ZeRO-3
     gathers parameters over all ranks in each): a replica out of batches repeats its last
-    one, uncounted. Collective over ``topology.dp_sp_group`` (or the default group).
+    one, uncounted. An error fetching a batch on any rank (the collator's) raises on every rank
+    (one agreement per batch, before its forward; off with ``RING_SP_VALIDATE=0``). Collective
+    over ``topology.dp_sp_group`` (or the default group).
     """
     group = None if topology is None else topology.dp_sp_group
     steps = torch.tensor(len(batches), device=device)
     dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group)
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     iterator, last = iter(batches), None
+    signature = CallSignature.named("shard", (int(steps),), "an evaluation batch")
     for _ in range(int(steps)):
-        batch = next(iterator, None)
-        if batch is None and last is None:
-            raise ValueError(
+        try:  # a collator's error on one rank (shard_batch's, say): every rank raises it, before the forward
+            batch, error = next(iterator, None), None
+        except (TypeError, ValueError) as exc:
+            batch, error = None, exc
+        if error is None and batch is None and last is None:
+            error = ValueError(
                 f"the evaluation set gives this data-parallel replica no batch while others have some; use at least "
                 f"{1 if topology is None else topology.dp_size} x the evaluation batch size samples")
+        raise_together(dist.group.WORLD if group is None else group, signature, error, device=torch.device(device))
         with torch.no_grad():
             loss_sum, count = loss_sum_of(last if batch is None else batch)
         if batch is not None:

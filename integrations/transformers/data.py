@@ -28,8 +28,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ring_sp import LAYOUTS, SequenceParallelTopology
+from ring_sp.agreement import CallSignature, raise_together
 from ring_sp import shard_batch as ring_sp_shard_batch
 from ring_sp.layouts import Boundaries, as_boundaries, layout_unit
 from ring_sp.spans import Spans
@@ -114,7 +116,7 @@ def _vision_inputs(full: dict[str, Any], model: Any) -> tuple[Spans | None, torc
 
 
 def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | None, *, layout: str = "zigzag",
-                pad_id: int = 0, model: Any = None) -> dict[str, torch.Tensor]:
+                pad_id: int = 0, model: Any = None, validate: bool | None = None) -> dict[str, torch.Tensor]:
     """This rank's shard of a GLOBAL Hugging Face batch, ready for ``model(**shard)``.
 
     ``batch``: ``input_ids`` ``[b, N]``; optional ``labels`` ``[b, N]`` (unshifted, the HF
@@ -136,7 +138,15 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
     ``cu_seq_lens_q`` = ``cu_seq_lens_k``: int32 ``[docs + 1]`` boundaries of the GLOBAL
     row (the padding its own last document), the same on every rank, which the model
     forwards to the attention; gather logits with ``seq_len=b * N`` to drop the padding.
-    No communication: every rank calls it with the same global batch.
+
+    Every rank of the SP group calls it with the same global batch. Its errors (arguments,
+    the batch's keys and shapes) are found before any communication; then, with a group (the
+    SP group of the topology given to :func:`register`, else of ``topology``; more than one
+    rank), every rank of it raises: one agreement (:mod:`ring_sp.agreement`, the attention's),
+    so an error on one rank is that rank's message on all of them, never a peer left waiting
+    in the model's first collective. ``validate=False`` or ``RING_SP_VALIDATE=0``: no
+    communication, an error raises on its rank alone; nor is there any in a DataLoader worker
+    (no process group there: the loop that fetches the batches agrees, as the trainers do).
 
     Vision-language models (``model=``: the model or its config, of a type in
     :data:`.multimodal.KNOWN`): ``token_type_ids`` ``[b, N]`` become the bidirectional spans
@@ -145,6 +155,45 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
     ``"ring_sp_image_tokens"`` (which rows of their features are the shard's image tokens; on
     more than one rank): see :mod:`.multimodal` for how, and what it costs.
     """
+    group = _agreement_group(topology)
+    try:
+        shard, error = _cut(batch, topology, layout=layout, pad_id=pad_id, model=model), None
+    except (TypeError, ValueError) as exc:
+        shard, error = None, exc
+    if group is not None:
+        signature, device = _signature(batch, layout)
+        raise_together(group, signature, error, validate=validate, device=device)
+    elif error is not None:
+        raise error
+    return shard
+
+
+def _signature(batch: object, layout: object) -> tuple[CallSignature, torch.device]:
+    """What every rank's call must share (the layout, the global batch's shape) and the batch's device."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    dims = tuple(ids.shape) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (-1, -1)
+    code = LAYOUTS.index(layout) if layout in LAYOUTS else -1
+    device = ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
+    return CallSignature.named("shard", (code, *dims), f"shard_batch(input_ids {dims}, layout={layout!r})"), device
+
+
+def _agreement_group(topology: object) -> Any:
+    """The SP group whose ranks :func:`shard_batch` makes fail together, or None: the registered
+    topology's (the group the attention agrees on: a rank given another topology still meets
+    its peers there) else ``topology``'s, of more than one rank, outside DataLoader workers;
+    None for ``topology=None`` (one rank, nothing sharded)."""
+    if topology is None or not dist.is_initialized() or torch.utils.data.get_worker_info() is not None:
+        return None
+    registered = registration()
+    for chosen in (None if registered is None else registered.topology, topology):
+        if isinstance(chosen, SequenceParallelTopology) and chosen.sp_size > 1:
+            return chosen.sp_group
+    return None
+
+
+def _cut(batch: Mapping[str, Any], topology: SequenceParallelTopology | None, *, layout: str,
+         pad_id: int, model: Any) -> dict[str, torch.Tensor]:
+    """:func:`shard_batch`'s checks and sharding on this rank alone (no communication)."""
     if topology is not None and not isinstance(topology, SequenceParallelTopology):
         raise TypeError(f"topology must be a ring_sp.SequenceParallelTopology or None; got {type(topology).__name__}")
     if layout not in LAYOUTS:

@@ -2,8 +2,8 @@
 
 ring_sp's settings come as keywords, ``prepare_sequence_parallel(args, ulysses_size=2,
 ring_size=2, ...)``, validated by the same :class:`ring_sp.integrations.deepspeed.RingSPConfig`
-as DeepSpeed's ``"ring_sp"`` section (:func:`keyword_settings`), and are kept on the
-arguments (:data:`SETTINGS_ATTR`) for the trainer. FSDP2 itself is asked for as accelerate
+as DeepSpeed's ``"ring_sp"`` section (:func:`.engines.keyword_settings`; without FSDP the
+same keywords train under DDP, :mod:`.engines`). FSDP2 itself is asked for as accelerate
 asks for it: ``accelerate launch --config_file fsdp2.yaml`` (``ACCELERATE_USE_FSDP=true``,
 ``FSDP_VERSION=2`` in each rank's environment) or ``TrainingArguments(fsdp=True,
 fsdp_config={"version": 2})``. What accelerate 1.15 then does depends on the device:
@@ -22,23 +22,20 @@ fsdp_config={"version": 2})``. What accelerate 1.15 then does depends on the dev
 Either way FSDP2 reduce-scatters each gradient as the MEAN over all ``DP x SP`` ranks (its
 mesh is the whole world; a ``parallelism_config`` is refused), as ZeRO-3 does: the loss is
 built with ``gradients_averaged_over_sp=True``. Imports accelerate only inside functions.
+Which engine runs, and what is refused (FSDP1, ``use_cpu``), is :mod:`.engines`' business.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ring_sp.integrations.deepspeed.config import SECTION, RingSPConfig  # pure Python, no DeepSpeed import
-
-SETTINGS_ATTR = "ring_sp_fsdp_settings"  # TrainingArguments attribute: the keyword settings (a RingSPConfig)
-_LAUNCH = ("accelerate launch --config_file examples/trl/fsdp2.yaml (distributed_type: FSDP, fsdp_version: 2), "
-           "or on GPUs TrainingArguments(fsdp=True, fsdp_config={'version': 2})")
+LAUNCH = ("accelerate launch --config_file examples/trl/fsdp2.yaml (distributed_type: FSDP, fsdp_version: 2), "
+          "or on GPUs TrainingArguments(fsdp=True, fsdp_config={'version': 2})")
 
 
 def requested_fsdp_version(args: Any) -> int | None:
@@ -54,72 +51,6 @@ def requested_fsdp_version(args: Any) -> int | None:
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         return int(os.environ.get("FSDP_VERSION", "1"))
     return None
-
-
-def keyword_settings(args: Any, settings: Mapping[str, Any]) -> RingSPConfig | None:
-    """``prepare_sequence_parallel``'s keywords, validated; None when they say ``enabled=False``.
-
-    Refused, before any communication: keywords beside a DeepSpeed config (its ``"ring_sp"``
-    section is the DeepSpeed way), no FSDP at all, FSDP1, ``offload_checkpoints``.
-    """
-    if getattr(args, "deepspeed", None) is not None:
-        raise ValueError(
-            f"prepare_sequence_parallel got keyword settings {dict(settings)} AND TrainingArguments.deepspeed: give "
-            f'ring_sp\'s settings one way only; with DeepSpeed put them in its config\'s "{SECTION}" section and call '
-            f"prepare_sequence_parallel(args) without keywords; the keywords are for FSDP2 (no deepspeed=)")
-    sp = RingSPConfig.from_dict(settings)  # unknown keys and bad values name the key
-    if not sp.enabled:
-        return None
-    version = requested_fsdp_version(args)
-    if version is None:
-        raise ValueError(
-            f"prepare_sequence_parallel(args, {', '.join(f'{k}={v!r}' for k, v in settings.items())}) sets ring_sp up "
-            f"for FSDP2, but FSDP is not configured: launch with {_LAUNCH}; for DeepSpeed use its config's "
-            f'"{SECTION}" section instead of keywords')
-    if version != 2:
-        raise ValueError(
-            f"FSDP version {version} (fsdp_version / FSDP_VERSION) is not supported with ring_sp: FSDP1 wraps the "
-            f"model in flat parameters whose gradient reduction ring_sp's loss does not account for; set "
-            f"fsdp_version: 2 in the accelerate config (fsdp_config={{'version': 2}})")
-    if sp.offload_checkpoints:
-        raise ValueError(
-            "offload_checkpoints=True is not supported under FSDP2 (it is applied at DeepSpeed's engine set-up); "
-            "drop it, or train with DeepSpeed and the config's \"ring_sp\" section")
-    return sp
-
-
-def check_distributed(args: Any, sp: RingSPConfig) -> None:
-    """After ``args.device``: the process group exists and accelerate will not wrap the model in DDP."""
-    from accelerate.utils import DistributedType
-
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"ring_sp under FSDP2 needs one process per rank and torch.distributed set up: launch with {_LAUNCH}")
-    sp.check_world_size(dist.get_world_size())
-    kind = args.distributed_state.distributed_type
-    if kind == DistributedType.MULTI_CPU:
-        raise ValueError(
-            "TrainingArguments(use_cpu=True) (or ACCELERATE_USE_CPU) with FSDP2: accelerate 1.15 then wraps the model "
-            "in DistributedDataParallel instead of sharding it; leave use_cpu False (ranks without a GPU train on CPU "
-            "anyway) and launch with the FSDP2 config")
-    if kind == DistributedType.NO and getattr(args, "fsdp_plugin_args", None) is not None:
-        raise ValueError(
-            "TrainingArguments(fsdp=...) on CPU ranks: transformers refuses it there (accelerate sees no distributed "
-            "device type); ask for FSDP2 through accelerate launch's config instead (ACCELERATE_USE_FSDP=true, "
-            "FSDP_VERSION=2), e.g. accelerate launch --config_file examples/trl/fsdp2.yaml")
-
-
-def accelerate_shards(accelerator: Any) -> bool:
-    """Whether accelerate itself runs FSDP2 (GPUs); False where its state stayed without FSDP (CPU ranks)."""
-    from accelerate.utils import DistributedType
-
-    state = accelerator.state
-    if state.distributed_type != DistributedType.FSDP:
-        return False
-    version = getattr(state.fsdp_plugin, "fsdp_version", 1)
-    if version != 2:
-        raise ValueError(f"accelerate runs FSDP version {version}; ring_sp supports fsdp_version: 2")
-    return True
 
 
 def check_trainer(args: Any, accelerator: Any, *, shards_itself: bool) -> None:
@@ -190,5 +121,5 @@ def mean_over_ranks_(value: torch.Tensor) -> None:
     value.div_(dist.get_world_size())
 
 
-__all__ = ["SETTINGS_ATTR", "accelerate_shards", "check_distributed", "check_trainer", "fsdp_plugin",
-           "full_state_dict", "keyword_settings", "mean_over_ranks_", "requested_fsdp_version", "shard_model"]
+__all__ = ["LAUNCH", "check_trainer", "fsdp_plugin", "full_state_dict", "mean_over_ranks_", "requested_fsdp_version",
+           "shard_model"]

@@ -68,9 +68,10 @@ def _check_flag(name: str, value: object) -> bool:
 
 
 def _unwrap(model: Any) -> nn.Module:
-    """The ``nn.Module`` of a model or of a DeepSpeed engine (``engine.module``)."""
+    """The ``nn.Module`` of a model, of a DeepSpeed engine or of ``DistributedDataParallel`` (``.module``)."""
     inner = getattr(model, "module", None)
-    if isinstance(inner, nn.Module) and hasattr(model, "zero_optimization_stage"):  # a DeepSpeed engine
+    if isinstance(inner, nn.Module) and (hasattr(model, "zero_optimization_stage")  # a DeepSpeed engine
+                                         or isinstance(model, nn.parallel.DistributedDataParallel)):
         model = inner
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a Hugging Face causal-LM nn.Module (or a DeepSpeed engine around one); "
@@ -140,7 +141,7 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
 
 
 def long_sequence_config(model: Any) -> LongSequenceConfig | None:
-    """The settings :func:`enable_long_sequence` gave ``model`` (or its DeepSpeed engine), or None."""
+    """The settings :func:`enable_long_sequence` gave ``model`` (or its DeepSpeed engine, its DDP), or None."""
     return getattr(_unwrap(model), "ring_sp_long_sequence", None)
 
 
@@ -189,7 +190,7 @@ def shard_loss_sum(model: Any, inputs: Mapping[str, Any], shift_labels: torch.Te
     ``inputs``: ``model(**inputs)``'s arguments (the shard without its labels);
     ``shift_labels`` ``[b, n]``. Tiled when :func:`enable_long_sequence` switched the loss on
     (the outputs then carry no logits), else from the logits. ``model`` may be a DeepSpeed
-    engine (its forward runs). Checks everything local before the forward.
+    engine or ``DistributedDataParallel`` (its forward runs). Checks everything local before the forward.
     """
     module = _unwrap(model)
     config = long_sequence_config(module)

@@ -1,4 +1,4 @@
-"""TRL's ``SFTTrainer`` (trl 1.16) on ring_sp's ``U x R`` grid, under DeepSpeed or FSDP2.
+"""TRL's ``SFTTrainer`` (trl 1.16) on ring_sp's ``U x R`` grid, under DeepSpeed, FSDP2 or DDP.
 
 Set up exactly like :class:`.trainer.SequenceParallelTrainer`::
 
@@ -12,9 +12,10 @@ Set up exactly like :class:`.trainer.SequenceParallelTrainer`::
     trainer = SequenceParallelSFTTrainer(model=model, args=args, train_dataset=..., processing_class=tokenizer)
     trainer.train()
 
-Under FSDP2 (no DeepSpeed) the settings are keywords instead,
+Under FSDP2 or DDP (no DeepSpeed) the settings are keywords instead,
 ``prepare_sequence_parallel(args, ulysses_size=2, ring_size=2)``, with FSDP2 asked for through
-``accelerate launch --config_file examples/trl/fsdp2.yaml`` (:mod:`.fsdp`, :mod:`.trainer`).
+``accelerate launch --config_file examples/trl/fsdp2.yaml`` (:mod:`.fsdp`), else DDP (on CPU
+ranks ``use_cpu=True``); which engine runs is :mod:`.engines`' (docs/engines.md).
 
 Without ring_sp settings it IS ``trl.SFTTrainer``. With them, TRL prepares the
 data as usual (tokenising, completion-only / assistant-only label masks, packing) and its
@@ -104,33 +105,33 @@ def flatten_padding(batch: Mapping[str, Any]) -> tuple[dict[str, Any], int]:
 class SFTShardCollator:
     """Wraps TRL's collator of GLOBAL batches: returns this rank's shard plus :data:`TOKENS_KEY`.
 
-    See :func:`flatten_padding` and :func:`..shard_batch`. No communication (safe in
-    DataLoader workers).
+    See :func:`flatten_padding` and :func:`..shard_batch` (``validate``: its; the trainer
+    passes False and agrees once per step over all ranks instead).
     """
 
     def __init__(self, collator: Callable[[list[Any]], Mapping[str, Any]], topology: SequenceParallelTopology,
-                 *, layout: str, pad_id: int = 0) -> None:
+                 *, layout: str, pad_id: int = 0, validate: bool | None = None) -> None:
         if not callable(collator):
             raise TypeError(f"collator must be callable; got {type(collator).__name__}")
         self.collator, self.topology, self.layout, self.pad_id = collator, topology, layout, pad_id
+        self.validate = validate
 
     def __call__(self, features: list[Any]) -> dict[str, torch.Tensor]:
         batch, tokens = flatten_padding(self.collator(features))
-        shard = shard_batch(batch, self.topology, layout=self.layout, pad_id=self.pad_id)
+        shard = shard_batch(batch, self.topology, layout=self.layout, pad_id=self.pad_id, validate=self.validate)
         shard[TOKENS_KEY] = torch.tensor(tokens, dtype=torch.int64)
         return shard
 
 
 class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
-    """``trl.SFTTrainer`` for models with ``attn_implementation="ring_sp"`` under DeepSpeed.
+    """``trl.SFTTrainer`` for models with ``attn_implementation="ring_sp"`` (DeepSpeed, FSDP2 or DDP).
 
-    Takes ``SFTTrainer``'s arguments. Without an enabled ``"ring_sp"`` section in
-    ``args.deepspeed`` it IS ``SFTTrainer``; with one, every step's loss, gradients and
+    Takes ``SFTTrainer``'s arguments. Without ring_sp's settings (an enabled ``"ring_sp"``
+    section in ``args.deepspeed``, or ``prepare_sequence_parallel``'s keywords) it IS
+    ``SFTTrainer``; with them, every step's loss, gradients and
     logged metrics equal ``SFTTrainer``'s on one rank holding the whole sequences (same
     global batch, sdpa): see the module docstring.
     """
-
-    ring_sp_topology: SequenceParallelTopology | None = None
 
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
         sp = None if args is None else ring_sp_settings(args)[0]
@@ -159,7 +160,7 @@ class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
         inner = self.data_collator.collator  # SequenceParallelTrainer wrapped TRL's collator; shard TRL's batches
         pad_id = getattr(inner, "pad_token_id", None) or 0
         self.data_collator = SFTShardCollator(inner, self.ring_sp_topology, layout=self.ring_sp_config.layout,
-                                              pad_id=pad_id)
+                                              pad_id=pad_id, validate=False)  # agreed per step (get_batch_samples)
 
     # ---------------------------------------------------------------- loss
     def _shard_loss_sum(self, model: torch.nn.Module, inputs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:

@@ -1,4 +1,4 @@
-"""The Hugging Face ``Trainer`` (transformers 5.18, accelerate 1.15) with ring_sp, on DeepSpeed or FSDP2.
+"""The Hugging Face ``Trainer`` (transformers 5.18, accelerate 1.15) with ring_sp, on DeepSpeed, FSDP2 or DDP.
 
 A Trainer script whose DeepSpeed config has a ``"ring_sp"`` section changes by an import and
 three lines (``prepare_sequence_parallel``, ``attn_implementation``, the Trainer class)::
@@ -29,17 +29,25 @@ The collator still returns GLOBAL batches (``input_ids``, ``labels``, optional
   the section's ``tiled_mlp`` / ``tiled_loss`` / ``offload_checkpoints`` (applied by
   ``initialize``) make it the long-sequence step (:func:`..model_loss`'s tiled loss).
 
-FSDP2 instead of DeepSpeed (:mod:`.fsdp`): ``prepare_sequence_parallel(args, ulysses_size=2,
-ring_size=2)`` (the section's keys as keywords) with FSDP2 asked for through accelerate
-(``accelerate launch --config_file fsdp2.yaml``); no engine is routed, the loss is scaled for
-FSDP2's mean over all ranks, the data and evaluation are as above. On CPU ranks, where
-accelerate 1.15 sets no FSDP up, the trainer shards the model itself when it is built.
+FSDP2 or DDP instead of DeepSpeed: ``prepare_sequence_parallel(args, ulysses_size=2,
+ring_size=2)`` (the section's keys as keywords), with FSDP2 asked for through accelerate
+(``accelerate launch --config_file fsdp2.yaml``; :mod:`.fsdp`: on CPU ranks, where
+accelerate 1.15 sets no FSDP up, the trainer shards the model itself when it is built), else
+DDP (``torchrun``; on CPU ranks with ``use_cpu=True``). No engine is routed, the loss is
+scaled for their mean over all ranks, the data and evaluation are as above. A DeepSpeed
+config accelerate drops (``use_cpu=True`` / ``ACCELERATE_USE_CPU``) trains under DDP too,
+exactly, unless the model was built partitioned by ZeRO-3 (refused). :mod:`.engines` picks
+the engine when the trainer is built and checks the model accelerate prepared before the
+first step; every engine is exact or refused (docs/engines.md).
 
 Importing this module (with DeepSpeed installed) keeps DeepSpeed's CPU backend from
 JIT-compiling its C++ shared-memory op when ``TrainingArguments`` starts it
 (:func:`ring_sp.integrations.deepspeed.skip_cpu_inference_comm_build`, applied by
 :mod:`.trainer_setup`, which holds the setup around the Trainer; nothing on CUDA).
 
+* errors in the batches (``shard_batch``'s, the collator's, on any rank) raise on every rank,
+  each step: one agreement over all ranks when the step's batches are fetched, before its
+  first collective (:meth:`SequenceParallelTrainer.get_batch_samples`; evaluation likewise).
 * evaluation: ``evaluate()`` (also ``eval_strategy="steps"``) returns the exact eval loss,
   the token mean over the whole eval set (:meth:`SequenceParallelTrainer.evaluation_loop`).
 * checkpoints: a ``checkpoint-N`` folder gets a completion marker, written last by rank 0
@@ -67,16 +75,18 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, ro
 from transformers.training_args import ParallelMode
 
 from ring_sp import SequenceParallelTopology, sequence_parallel_loss
+from ring_sp.agreement import CallSignature, raise_together
 from ring_sp.data import IGNORE_INDEX
 from ring_sp.integrations import deepspeed as rsp_ds
 from ring_sp.integrations.versions import require_supported
 
-from . import fsdp
-from .attention import ATTN_IMPLEMENTATION, registration, uses_ring_sp
+from . import engines, fsdp
+from .attention import ATTN_IMPLEMENTATION, uses_ring_sp
 from .long_sequence import enable_long_sequence, shard_loss_sum
 # the setup around the Trainer; SequenceParallelCollator and prepare_sequence_parallel are re-exported
 from .trainer_setup import (SequenceParallelCollator, complete_checkpoint, mark_checkpoint_complete,
-                            prepare_sequence_parallel, ring_sp_engine, ring_sp_settings, unshard)
+                            prepare_sequence_parallel, registered_topology_for, ring_sp_settings,
+                            routed_deepspeed_initialize, unshard)
 
 _NO_LOGITS = (
     "the logits are sharded over the sequence-parallel ranks, so predictions and compute_metrics are not available; "
@@ -86,30 +96,31 @@ _NO_LOGITS = (
 
 
 class SequenceParallelTrainer(Trainer):
-    """``transformers.Trainer`` for models with ``attn_implementation="ring_sp"`` under DeepSpeed.
+    """``transformers.Trainer`` for models with ``attn_implementation="ring_sp"`` (DeepSpeed, FSDP2 or DDP).
 
-    Takes ``Trainer``'s arguments. Without an enabled ``"ring_sp"`` section in
-    ``args.deepspeed`` it IS ``Trainer``. With one, every rank of an SP group trains on its
-    shard of the same samples and the optimizer step equals the same step of one rank
-    holding the whole sequences (same global batch): see the module docstring.
-    ``ring_sp_topology`` is the grid (None without the section).
+    Takes ``Trainer``'s arguments. Without ring_sp's settings (an enabled ``"ring_sp"``
+    section in ``args.deepspeed``, or ``prepare_sequence_parallel``'s keywords) it IS
+    ``Trainer``. With them, every rank of an SP group trains on its shard of the same samples
+    and the optimizer step equals the same step of one rank holding the whole sequences (same
+    global batch): see the module docstring. ``ring_sp_topology`` is the grid and
+    ``ring_sp_engine`` the engine (:class:`.engines.Engine`); None without settings.
     """
 
-    ring_sp_fsdp = False  # class defaults: the base __init__ (TRL's too) may call overridden methods first
-    ring_sp_shards_itself = False
+    # class defaults: the base __init__ (TRL's too) may call overridden methods first
+    ring_sp_engine: engines.Engine | None = None
+    ring_sp_topology: SequenceParallelTopology | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        sp, self.ring_sp_fsdp = ring_sp_settings(self.args)  # FSDP2's keywords, else DeepSpeed's section
-        config = self.accelerator.state.deepspeed_plugin.deepspeed_config if self.is_deepspeed_enabled else None
-        if config is not None:
-            sp = rsp_ds.RingSPConfig.from_ds_config(config)
+        sp, ds_config = ring_sp_settings(self.args)  # the keywords (FSDP2, DDP), else DeepSpeed's section
+        if self.is_deepspeed_enabled and (sp is None or ds_config is not None):  # the config accelerate applies
+            ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+            sp = rsp_ds.RingSPConfig.from_ds_config(ds_config)
         self.ring_sp_config = sp
-        section = {} if config is None else config.get(rsp_ds.SECTION)
+        section = {} if ds_config is None else ds_config.get(rsp_ds.SECTION)
         if isinstance(section, dict) and section.get("backend") == "auto":
             # accelerate takes every "auto" in the config for a value IT must fill in, and raises
             del section["backend"]  # the default, so the same choice
-        self.ring_sp_topology: SequenceParallelTopology | None = None
         if sp is not None:
             require_supported("accelerate", "ring_sp.integrations.transformers.trainer")
         if sp is None:
@@ -117,23 +128,36 @@ class SequenceParallelTrainer(Trainer):
                 raise ValueError(
                     f'the model uses attn_implementation="{ATTN_IMPLEMENTATION}" but ring_sp has no settings: with '
                     f'DeepSpeed add an enabled "{rsp_ds.SECTION}" section to its config (TrainingArguments.deepspeed), '
-                    f'e.g. "ring_sp": {{"ulysses_size": 2, "ring_size": 2}}; with FSDP2 call '
+                    f'e.g. "ring_sp": {{"ulysses_size": 2, "ring_size": 2}}; with FSDP2 or DDP call '
                     f"prepare_sequence_parallel(args, ulysses_size=2, ring_size=2) on these arguments"
                 )
             return
+        self.ring_sp_engine = engines.trainer_engine(self.args, self.accelerator, self.model, sp, ds_config)
         self.ring_sp_topology = self._check_setup(sp)
-        self.data_collator = SequenceParallelCollator(self.data_collator, self.ring_sp_topology, layout=sp.layout)
+        # the trainer agrees on the batches' errors once per step over all ranks (get_batch_samples)
+        self.data_collator = SequenceParallelCollator(self.data_collator, self.ring_sp_topology, layout=sp.layout,
+                                                      validate=False)
         # the loss below takes num_items_in_batch: the Trainer must not divide it by the GA steps again
         self.model_accepts_loss_kwargs = True
-        if self.ring_sp_fsdp:
-            self._set_up_fsdp2(sp)
+        if self.ring_sp_engine.kind != engines.DEEPSPEED:
+            self._set_up_without_deepspeed(sp)
 
-    def _set_up_fsdp2(self, sp: rsp_ds.RingSPConfig) -> None:
-        """FSDP2: the settings' tiled MLP / loss now (DeepSpeed's ``initialize`` applies them there), then
-        the model sharded here on CPU ranks, where accelerate does not (:mod:`.fsdp`); on GPUs accelerate
-        shards it when training starts."""
-        self.ring_sp_shards_itself = not fsdp.accelerate_shards(self.accelerator)
-        fsdp.check_trainer(self.args, self.accelerator, shards_itself=self.ring_sp_shards_itself)
+    @property
+    def ring_sp_fsdp(self) -> bool:
+        """Whether the engine is FSDP2."""
+        return self.ring_sp_engine is not None and self.ring_sp_engine.kind == engines.FSDP2
+
+    @property
+    def ring_sp_shards_itself(self) -> bool:
+        """FSDP2 on CPU ranks: the trainer sharded the model itself (accelerate sets no FSDP up there)."""
+        return self.ring_sp_engine is not None and self.ring_sp_engine.shards_itself
+
+    def _set_up_without_deepspeed(self, sp: rsp_ds.RingSPConfig) -> None:
+        """FSDP2 or DDP: the settings' tiled MLP / loss now (DeepSpeed's ``initialize`` applies them there);
+        FSDP2: its checks, then the model sharded here on CPU ranks, where accelerate does not (:mod:`.fsdp`);
+        on GPUs accelerate shards it, and wraps it in DDP, when training starts."""
+        if self.ring_sp_fsdp:
+            fsdp.check_trainer(self.args, self.accelerator, shards_itself=self.ring_sp_shards_itself)
         if sp.long_sequence is not None:
             enable_long_sequence(self.model, **sp.long_sequence)
         if self.ring_sp_shards_itself:
@@ -141,31 +165,7 @@ class SequenceParallelTrainer(Trainer):
 
     def _check_setup(self, sp: rsp_ds.RingSPConfig) -> SequenceParallelTopology:
         """Everything local that must hold, checked on every rank before any collective."""
-        current = registration()
-        if current is None:
-            raise ValueError(
-                "ring_sp is not registered with transformers: call prepare_sequence_parallel(training_args) before "
-                'building the model with attn_implementation="ring_sp"'
-            )
-        topology = current.topology
-        for key in ("ulysses_size", "ring_size", "placement"):
-            if getattr(topology, key) != getattr(sp, key):
-                raise ValueError(
-                    f"{rsp_ds.SECTION}.{key}={getattr(sp, key)!r} but the registered topology has {key}="
-                    f"{getattr(topology, key)!r}; call prepare_sequence_parallel(training_args) with these settings"
-                )
-        for key in ("layout", "backend"):
-            if getattr(current, key) != getattr(sp, key):
-                raise ValueError(
-                    f"{rsp_ds.SECTION}.{key}={getattr(sp, key)!r} but ring_sp was registered with {key}="
-                    f"{getattr(current, key)!r}; call prepare_sequence_parallel(training_args) with these settings"
-                )
-        if not uses_ring_sp(self.model):
-            raise ValueError(
-                f"ring_sp is set up ({self._source}) but the model's attn_implementation is "
-                f"{getattr(self.model.config, '_attn_implementation', None)!r}; build it with "
-                f'attn_implementation="{ATTN_IMPLEMENTATION}" (or call model.set_attn_implementation("ring_sp"))'
-            )
+        topology = registered_topology_for(sp, self.model, self._source)
         args = self.args
         unsupported = {
             "compute_loss_func": (self.compute_loss_func is not None, "drop it (the loss is the exact causal-LM loss)"),
@@ -177,8 +177,6 @@ class SequenceParallelTrainer(Trainer):
             "accelerator_config.split_batches": (args.accelerator_config.split_batches, "set it to False"),
             "accelerator_config.dispatch_batches": (bool(args.accelerator_config.dispatch_batches), "set it to False"),
             "n_gpu > 1 (DataParallel)": (args.n_gpu > 1, "launch one process per device"),
-            "TrainingArguments.deepspeed with FSDP2": (self.ring_sp_fsdp and self.is_deepspeed_enabled,
-                                                       "use one of the two"),
             "compute_metrics": (self.compute_metrics is not None, _NO_LOGITS),
             f"{rsp_ds.SECTION}.offload_checkpoints without gradient_checkpointing": (
                 sp.offload_checkpoints and not args.gradient_checkpointing,
@@ -191,9 +189,8 @@ class SequenceParallelTrainer(Trainer):
 
     @property
     def _source(self) -> str:
-        """Where ring_sp's settings came from, for messages."""
-        return ("prepare_sequence_parallel's keywords, FSDP2" if self.ring_sp_fsdp
-                else f"the DeepSpeed config's {rsp_ds.SECTION!r} section")
+        """Where ring_sp's settings came from and the engine they run on, for messages."""
+        return self.ring_sp_engine.configured
 
     def _require_loss_only(self, description: str, prediction_loss_only: bool | None) -> None:
         """Raise unless only the loss is asked for: the logits stay sharded (``_NO_LOGITS``)."""
@@ -210,10 +207,18 @@ class SequenceParallelTrainer(Trainer):
         if self.ring_sp_topology is None:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         resume = complete_checkpoint(self.args.output_dir, resume_from_checkpoint)
-        if self.ring_sp_fsdp:  # no DeepSpeed engine to route
+        if self.ring_sp_engine.kind != engines.DEEPSPEED:  # no DeepSpeed engine to route
             return super().train(resume, *args, **kwargs)
-        with ring_sp_engine():
+        with routed_deepspeed_initialize():
             return super().train(resume, *args, **kwargs)
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """``Trainer``'s (the model prepared by accelerate), then, before the first step, the check that
+        it runs the engine the loss is scaled for (:func:`.engines.check_prepared`)."""
+        model, loader = super()._prepare_for_training(*args, **kwargs)
+        if self.ring_sp_topology is not None:
+            engines.check_prepared(self.ring_sp_engine, model)
+        return model, loader
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model``; where the trainer sharded the model itself (FSDP2 on CPU ranks) the
@@ -332,11 +337,19 @@ class SequenceParallelTrainer(Trainer):
 
         Each rank counts its shards' ``shift_labels``; the SP ranks hold disjoint tokens and
         the replicas different samples, so the sum over all ``DP x SP`` ranks is the count of
-        the whole global step (what one rank holding everything would count).
+        the whole global step (what one rank holding everything would count). An error fetching
+        them (the collator's, ``shard_batch``'s) on any rank raises on every rank first, with that
+        rank's message (one agreement, :func:`ring_sp.agreement.raise_together`).
         """
-        batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.ring_sp_topology is None:
-            return batch_samples, num_items
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batch_samples, error = [], None
+        try:  # Trainer's fetch without its count (nor the count's gather: a collective before the agreement)
+            batch_samples.extend(batch for _, batch in zip(range(num_batches), epoch_iterator))
+        except (TypeError, ValueError) as exc:  # the collators shard without communicating: fail every rank here
+            error = exc
+        signature = CallSignature.named("shard", (num_batches,), f"the step's {num_batches} batches")
+        raise_together(self.ring_sp_topology.dp_sp_group, signature, error, device=device)
         count = torch.zeros((), dtype=torch.int64, device=device)
         for batch in batch_samples:
             count += (batch["shift_labels"] != IGNORE_INDEX).sum().to(device)
@@ -351,15 +364,14 @@ class SequenceParallelTrainer(Trainer):
         :meth:`get_batch_samples`) the value is ``sum(SP group's token losses) x DP / count``,
         so the Trainer's mean over all ranks and micro-batches logs the step's token mean,
         and the backward gives ``count``'s token-mean gradient once the engine has reduced
-        it (sum over SP for ZeRO 0-2, mean for ZeRO 3). Without it: the micro-batch's
+        it (sum over SP for ZeRO 0-2, mean for ZeRO-3, FSDP2 and DDP). Without it: the micro-batch's
         token mean over the SP group (:func:`..causal_lm_loss`).
         """
         if self.ring_sp_topology is None:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         topology = self.ring_sp_topology
-        # FSDP2 averages gradients over all DP x SP ranks, as ZeRO-3 does (see .fsdp)
-        averaged = self.ring_sp_fsdp or (self.deepspeed is not None and rsp_ds.gradients_averaged_over_sp(self.deepspeed))
+        averaged = self.ring_sp_engine.gradients_averaged_over_sp(self.deepspeed)  # ZeRO-3, FSDP2, DDP: yes
         loss_sum, count, outputs = self._shard_loss_sum(model, inputs)  # tiled when the section says so
         if num_items_in_batch is not None:
             # every rank claims an equal share of the step's count: summed over the SP group it is

@@ -1,10 +1,11 @@
 """Around the Hugging Face ``Trainer``: what ring_sp sets up before it and where accelerate calls out.
 
 * :func:`prepare_sequence_parallel`: the grid of ``TrainingArguments.deepspeed``'s
-  ``"ring_sp"`` section (or, under FSDP2, of its keywords: :mod:`.fsdp`), registered as
-  ``attn_implementation="ring_sp"`` before the model; :func:`ring_sp_settings`: which;
+  ``"ring_sp"`` section (or, under FSDP2 or DDP, of its keywords: :mod:`.engines`), registered
+  as ``attn_implementation="ring_sp"`` before the model; :func:`ring_sp_settings`: which;
+* :func:`registered_topology_for`: that registration checked against the settings and the model;
 * :class:`SequenceParallelCollator`: a collator of GLOBAL batches -> this rank's shard;
-* :func:`ring_sp_engine`: accelerate's ``deepspeed.initialize`` call routed to
+* :func:`routed_deepspeed_initialize`: accelerate's ``deepspeed.initialize`` call routed to
   :func:`ring_sp.integrations.deepspeed.initialize` while the Trainer trains;
 * :func:`unshard`: accelerate's split of the batches over all ranks undone (the sampler
   already splits over the ``DP`` replicas);
@@ -37,14 +38,16 @@ from ring_sp.integrations import deepspeed as rsp_ds
 from ring_sp.integrations.deepspeed.engine import write_file_atomically
 from ring_sp.integrations.versions import require_supported
 
-from . import fsdp
-from .attention import register, registration
+from .attention import ATTN_IMPLEMENTATION, register, registration, uses_ring_sp
 from .data import shard_batch
+from .engines import check_distributed, keyword_settings
 
 if importlib.util.find_spec("deepspeed") is not None:
     # TrainingArguments(deepspeed=...) starts DeepSpeed's comm in its constructor, before any
     # other call of ours: on CPU ranks it must already find the C++ op marked unbuildable
     rsp_ds.skip_cpu_inference_comm_build()
+
+SETTINGS_ATTR = "ring_sp_keyword_settings"  # TrainingArguments attribute: the keyword settings (a RingSPConfig)
 
 
 def _ds_config(args: TrainingArguments) -> dict[str, Any] | None:
@@ -59,25 +62,27 @@ def prepare_sequence_parallel(args: TrainingArguments, **settings: Any) -> Seque
     """Build ring_sp's grid and register ``attn_implementation="ring_sp"``; returns the topology or None.
 
     DeepSpeed: ``prepare_sequence_parallel(args)`` reads ``args.deepspeed``'s ``"ring_sp"``
-    section. FSDP2 (no DeepSpeed): the same settings as keywords,
+    section. Without DeepSpeed, the same settings as keywords,
     ``prepare_sequence_parallel(args, ulysses_size=2, ring_size=2, layout="zigzag")`` (the
-    section's keys, validated by the same ``RingSPConfig``; :mod:`.fsdp`), with FSDP2 asked
-    for through accelerate (``accelerate launch --config_file fsdp2.yaml`` or
-    ``TrainingArguments(fsdp=True, fsdp_config={"version": 2})``); a DeepSpeed config and
-    keywords at once are refused. Call it on every rank after ``TrainingArguments`` and
-    BEFORE building the model (the attention needs the groups). None: no enabled settings
-    (nothing registered, the Trainer runs as usual). Collective over the default group.
+    section's keys, validated by the same ``RingSPConfig``): under FSDP2 when it is asked for
+    through accelerate (``accelerate launch --config_file fsdp2.yaml``; :mod:`.fsdp`), else
+    under DDP (``torchrun``/``accelerate launch``; on CPU ranks with
+    ``TrainingArguments(use_cpu=True)``, as accelerate wraps nothing there otherwise); a
+    DeepSpeed config and keywords at once are refused (:mod:`.engines`). Call it on every rank
+    after ``TrainingArguments`` and BEFORE building the model (the attention needs the
+    groups). None: no enabled settings (nothing registered, the Trainer runs as usual).
+    Collective over the default group.
     """
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"args must be transformers.TrainingArguments; got {type(args).__name__}")
     require_supported("accelerate", "ring_sp.integrations.transformers.trainer")
     if settings:
-        sp = fsdp.keyword_settings(args, settings)  # validated before any communication
-        setattr(args, fsdp.SETTINGS_ATTR, sp)
+        sp = keyword_settings(args, settings)  # validated before any communication
+        setattr(args, SETTINGS_ATTR, sp)
         if sp is None:
             return None
         args.device  # noqa: B018 -- sets up torch.distributed through accelerate as the Trainer will
-        fsdp.check_distributed(args, sp)
+        check_distributed(args, sp)
         topology = init_sequence_parallel(sp.ulysses_size, sp.ring_size, placement=sp.placement)
     else:
         config = _ds_config(args)
@@ -90,14 +95,46 @@ def prepare_sequence_parallel(args: TrainingArguments, **settings: Any) -> Seque
     return topology
 
 
-def ring_sp_settings(args: Any) -> tuple[rsp_ds.RingSPConfig | None, bool]:
-    """(ring_sp's enabled settings for ``args``, whether they are FSDP2's keywords): the keywords
-    :func:`prepare_sequence_parallel` kept on ``args``, else ``args.deepspeed``'s section."""
-    keywords = getattr(args, fsdp.SETTINGS_ATTR, None)
+def ring_sp_settings(args: Any) -> tuple[rsp_ds.RingSPConfig | None, dict[str, Any] | None]:
+    """(ring_sp's enabled settings for ``args``, the DeepSpeed config they came from): the keywords
+    :func:`prepare_sequence_parallel` kept on ``args`` (no config: FSDP2 or DDP), else
+    ``args.deepspeed``'s section."""
+    keywords = getattr(args, SETTINGS_ATTR, None)
     if keywords is not None:
-        return keywords, True
+        return keywords, None
     config = _ds_config(args) if getattr(args, "deepspeed", None) is not None else None
-    return (None if config is None else rsp_ds.RingSPConfig.from_ds_config(config)), False
+    return (None if config is None else rsp_ds.RingSPConfig.from_ds_config(config)), config
+
+
+def registered_topology_for(sp: rsp_ds.RingSPConfig, model: torch.nn.Module, source: str) -> SequenceParallelTopology:
+    """The topology :func:`prepare_sequence_parallel` registered, checked against the settings ``sp``
+    and the model's attention (local: every rank raises alike); ``source``: the settings' origin."""
+    current = registration()
+    if current is None:
+        raise ValueError(
+            "ring_sp is not registered with transformers: call prepare_sequence_parallel(training_args) before "
+            'building the model with attn_implementation="ring_sp"'
+        )
+    topology = current.topology
+    for key in ("ulysses_size", "ring_size", "placement"):
+        if getattr(topology, key) != getattr(sp, key):
+            raise ValueError(
+                f"{rsp_ds.SECTION}.{key}={getattr(sp, key)!r} but the registered topology has {key}="
+                f"{getattr(topology, key)!r}; call prepare_sequence_parallel(training_args) with these settings"
+            )
+    for key in ("layout", "backend"):
+        if getattr(current, key) != getattr(sp, key):
+            raise ValueError(
+                f"{rsp_ds.SECTION}.{key}={getattr(sp, key)!r} but ring_sp was registered with {key}="
+                f"{getattr(current, key)!r}; call prepare_sequence_parallel(training_args) with these settings"
+            )
+    if not uses_ring_sp(model):
+        raise ValueError(
+            f"ring_sp is set up ({source}) but the model's attn_implementation is "
+            f"{getattr(model.config, '_attn_implementation', None)!r}; build it with "
+            f'attn_implementation="{ATTN_IMPLEMENTATION}" (or call model.set_attn_implementation("ring_sp"))'
+        )
+    return topology
 
 
 class SequenceParallelCollator:
@@ -106,17 +143,19 @@ class SequenceParallelCollator:
     ``collator(features)`` must return ``input_ids`` ``[b, N]`` and optionally ``labels``,
     ``position_ids``, an all-ones ``attention_mask``; the result holds ``input_ids``,
     ``position_ids``, ``shift_labels`` (and ``cu_seq_lens_q/k`` for packed documents),
-    each ``[b, N / sp_size]``. No communication (safe in DataLoader workers).
+    each ``[b, N / sp_size]``. ``validate``: ``shard_batch``'s (its errors raised on every
+    rank of the SP group by one agreement; none in DataLoader workers); the trainers pass
+    False and agree once per step over all ranks instead.
     """
 
     def __init__(self, collator: Callable[[list[Any]], Mapping[str, Any]], topology: SequenceParallelTopology,
-                 *, layout: str) -> None:
+                 *, layout: str, validate: bool | None = None) -> None:
         if not callable(collator):
             raise TypeError(f"collator must be callable; got {type(collator).__name__}")
-        self.collator, self.topology, self.layout = collator, topology, layout
+        self.collator, self.topology, self.layout, self.validate = collator, topology, layout, validate
 
     def __call__(self, features: list[Any]) -> dict[str, torch.Tensor]:
-        return shard_batch(self.collator(features), self.topology, layout=self.layout)
+        return shard_batch(self.collator(features), self.topology, layout=self.layout, validate=self.validate)
 
 
 def unshard(loader: Any) -> None:
@@ -135,7 +174,7 @@ def unshard(loader: Any) -> None:
 
 
 @contextlib.contextmanager
-def ring_sp_engine() -> Iterator[None]:
+def routed_deepspeed_initialize() -> Iterator[None]:
     """While active, ``deepspeed.initialize`` (as accelerate calls it) is ring_sp's ``initialize``.
 
     accelerate computes ``train_batch_size`` as micro x GA x ALL ranks; with sequence
@@ -206,5 +245,6 @@ def complete_checkpoint(output_dir: str, resume: str | bool | None) -> str | Non
     return resume
 
 
-__all__ = ["COMPLETE_MARKER", "SequenceParallelCollator", "complete_checkpoint", "mark_checkpoint_complete",
-           "prepare_sequence_parallel", "ring_sp_engine", "ring_sp_settings", "unshard"]
+__all__ = ["COMPLETE_MARKER", "SETTINGS_ATTR", "SequenceParallelCollator", "complete_checkpoint",
+           "mark_checkpoint_complete", "prepare_sequence_parallel", "registered_topology_for", "ring_sp_settings",
+           "routed_deepspeed_initialize", "unshard"]

@@ -10,6 +10,10 @@ Any length: a batch whose length is not a multiple of the layout's unit
 document (``cu_seqlens`` gains one last boundary): no real token attends to it, its labels
 are ignored, and ``gather_sequence(..., seq_len=real length)`` drops it again.
 
+Failing together: :func:`sharded_together` runs a ``shard_batch``'s checks and sharding on this
+rank, then (with an SP group) one agreement, so an error on one rank raises on every rank of
+the group (the topology's ``shard_batch`` and the Hugging Face one both use it).
+
 Checking a shard where it is used (no communication): :func:`shard_positions_error` says
 whether positions are exactly those :func:`shard_batch` gives a rank (:func:`shard_positions`),
 and :func:`token_checksum` fingerprints ids, labels or positions without a host sync.
@@ -18,11 +22,13 @@ and :func:`token_checksum` fingerprints ids, labels or positions without a host 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
-from .layouts import (Boundaries, as_boundaries, check_boundaries, check_layout, layout_index, layout_key, rank_positions,
+from .agreement import CallSignature, raise_together
+from .layouts import (LAYOUTS, Boundaries, as_boundaries, check_boundaries, check_layout, layout_index, layout_key, rank_positions,
                       padded_length)
 from .sequence_shards import shard_sequence
 from .spans import as_spans, check_spans
@@ -93,6 +99,31 @@ def shard_positions_error(position_ids: torch.Tensor, *, layout: str, rank: int,
         f"{where}: position_ids are not the global positions layout={layout!r} puts on SP rank {rank} ({documents}): "
         f"cu_seqlens dropped, added, moved or of another batch, or positions local or another rank's; pass the "
         f"position_ids and cu_seqlens of this rank's shard_batch(batch, rank={rank}, world_size={world_size}, ...)")
+
+
+def sharded_together(group: dist.ProcessGroup | None, batch: object, layout: object,
+                     cut: Callable[[], dict[str, torch.Tensor]], *, validate: bool | None = None) -> dict[str, torch.Tensor]:
+    """``cut()`` (a ``shard_batch``'s checks and sharding on this rank alone, no communication),
+    its ``TypeError`` / ``ValueError`` raised on EVERY rank of ``group`` (the SP group; None or one
+    rank: here alone): one agreement (:func:`ring_sp.agreement.raise_together`, the attention's)
+    on the layout and the global batch's shape, so a user's error on one rank is that rank's
+    message on all of them, never a peer left waiting in the model's first collective. No
+    communication in a DataLoader worker (it has no process group: the loop that fetches the
+    batches agrees, as the trainers do), with ``validate=False`` or ``RING_SP_VALIDATE=0``."""
+    try:
+        shard, error = cut(), None
+    except (TypeError, ValueError) as exc:
+        shard, error = None, exc
+    if group is not None and dist.is_initialized() and torch.utils.data.get_worker_info() is None:
+        ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        dims = tuple(ids.shape) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (-1, -1)
+        code = LAYOUTS.index(layout) if layout in LAYOUTS else -1
+        signature = CallSignature.named("shard", (code, *dims), f"shard_batch(input_ids {dims}, layout={layout!r})")
+        device = ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
+        raise_together(group, signature, error, validate=validate, device=device)
+    elif error is not None:
+        raise error
+    return shard  # type: ignore[return-value]
 
 
 def shard_batch(

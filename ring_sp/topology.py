@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .data import shard_batch
+from .data import shard_batch, sharded_together
 from .grid import PLACEMENTS, Coordinates, RankGrid, check_sizes, rank_grid
 from .sequence_shards import gather_sequence, shard_sequence
 
@@ -76,10 +76,19 @@ class SequenceParallelTopology:
                                cu_seqlens=cu_seqlens, seq_len=seq_len)
 
     def shard_batch(self, batch: Mapping[str, torch.Tensor], *, layout: str = "zigzag", shift: bool = True,
-                    cu_seqlens: torch.Tensor | Sequence[int] | None = None, pad_id: int = 0) -> dict[str, torch.Tensor]:
-        """:func:`ring_sp.shard_batch` for this rank's ``sp_rank``."""
-        return shard_batch(batch, rank=self.sp_rank, world_size=self.sp_size, layout=layout, shift=shift,
-                           cu_seqlens=cu_seqlens, pad_id=pad_id)
+                    cu_seqlens: torch.Tensor | Sequence[int] | None = None, pad_id: int = 0,
+                    spans: torch.Tensor | Sequence[Sequence[int]] | None = None,
+                    validate: bool | None = None) -> dict[str, torch.Tensor]:
+        """:func:`ring_sp.shard_batch` for this rank's ``sp_rank``. Every rank of the SP group
+        calls it with the same global batch: an error on one rank (a wrong layout, documents or
+        spans, a malformed batch) raises that rank's message on every rank of the SP group
+        (:func:`ring_sp.data.sharded_together`: one small agreement; none in a DataLoader worker,
+        nor with ``validate=False`` / ``RING_SP_VALIDATE=0``)."""
+        return sharded_together(
+            self.sp_group if self.sp_size > 1 else None, batch, layout,
+            lambda: shard_batch(batch, rank=self.sp_rank, world_size=self.sp_size, layout=layout, shift=shift,
+                                cu_seqlens=cu_seqlens, pad_id=pad_id, spans=spans),
+            validate=validate)
 
     def __repr__(self) -> str:
         return (

@@ -26,6 +26,8 @@ from typing import Any
 import pytest
 import torch
 
+import ring_sp
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
 # mutation -> what it must give: "exact" or a regex of the error (the same on every rank)
@@ -433,3 +435,74 @@ def test_shard_batch_error_on_one_rank_fails_every_rank(pools) -> None:
     assert all(res["valid shard (control)"] == "exact" for res in results), results
     _assert_outcomes(results, {name: f"argument check failed on rank\\(s\\) \\[1\\][\\s\\S]*{want}"
                                for name, want in SHARD_BATCH_ON_ONE_RANK.items()}, {})
+
+
+TOPOLOGY_SHARD_BATCH_ON_ONE_RANK: dict[str, str] = {
+    "layout= another rank's (contiguous)": "ranks disagree on the call's arguments: rank\\(s\\) \\[1\\]",
+    "cu_seqlens past the batch": "argument check failed on rank\\(s\\) \\[1\\][\\s\\S]*cu_seqlens",
+    "spans crossing a document": "argument check failed on rank\\(s\\) \\[1\\][\\s\\S]*span",
+    "batch without input_ids": "argument check failed on rank\\(s\\) \\[1\\][\\s\\S]*must contain 'input_ids'",
+    "batch with a 1-D input_ids": "argument check failed on rank\\(s\\) \\[1\\][\\s\\S]*must be \\[batch, seq\\]",
+}
+
+
+def topology_shard_batch_one_rank_case() -> dict[str, str]:
+    """Every rank: the topology's ``shard_batch`` of one packed global batch (rank 1 with one of
+    :data:`TOPOLOGY_SHARD_BATCH_ON_ONE_RANK`), then the grid's attention on the shard, as a
+    training loop runs them, with DEFAULT settings: "exact" (the control, against one rank's
+    attention) or "error (<seconds> s): <message>"."""
+    import dist_cases
+
+    topo = dist_cases.topology(2, 2)
+    n, cu, spans = 64, [0, 24, 64], [[4, 12], [30, 40]]
+    ids = torch.randint(0, 100, (1, n), generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for a, b in zip(cu, cu[1:]):
+        mask[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+    for a, b in spans:
+        mask[a:b, a:b] = True
+    want = torch.softmax((q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2) * 8 ** -0.5)
+                         .masked_fill(~mask, float("-inf")), -1) @ v.transpose(1, 2)
+    saved = os.environ.pop("RING_SP_VALIDATE", None)  # DEFAULT settings
+    out = {}
+    try:
+        for name in ["valid shard (control)", *TOPOLOGY_SHARD_BATCH_ON_ONE_RANK]:
+            batch, layout, given_cu, given_spans = {"input_ids": ids}, "document_zigzag", cu, spans
+            if topo.sp_rank == 1:
+                if name.startswith("layout="):
+                    layout = "contiguous"
+                elif name == "cu_seqlens past the batch":
+                    given_cu = [0, 24, 65]
+                elif name == "spans crossing a document":
+                    given_spans = [[4, 12], [20, 30]]
+                elif name == "batch without input_ids":
+                    batch = {"tokens": ids}
+                elif name == "batch with a 1-D input_ids":
+                    batch = {"input_ids": ids.flatten()}
+            start = time.perf_counter()
+            try:
+                shard = topo.shard_batch(batch, layout=layout, cu_seqlens=given_cu, spans=given_spans)
+                local = [topo.shard_sequence(x, layout=layout, cu_seqlens=shard["cu_seqlens"]) for x in (q, k, v)]
+                got = ring_sp.hybrid_attention(*local, topology=topo, causal=True, layout=layout,
+                                               cu_seqlens=shard["cu_seqlens"], spans=shard["spans"])
+            except (ValueError, TypeError) as exc:
+                out[name] = f"error ({time.perf_counter() - start:.1f} s): {exc}"
+                continue
+            full = topo.gather_sequence(got, layout=layout, cu_seqlens=shard["cu_seqlens"])
+            error = (full - want.transpose(1, 2)).abs().max().item()
+            out[name] = "exact" if error <= 1e-10 else f"WRONG: {error:.3g}"
+    finally:
+        if saved is not None:
+            os.environ["RING_SP_VALIDATE"] = saved
+    return out
+
+
+def test_topology_shard_batch_error_on_one_rank_fails_every_rank(pools) -> None:
+    """The core API (``topology.shard_batch``, the DeepSpeed and Megatron examples' path) as the Hugging Face
+    one above: an error on rank 1 alone (or rank 1 alone on another layout) raises on every rank within 10 s
+    with rank 1's message, never a peer waiting in the attention's collectives; the valid batch is exact."""
+    results = pools.get(4).run(topology_shard_batch_one_rank_case, timeout=120)
+    assert all(res["valid shard (control)"] == "exact" for res in results), results
+    _assert_outcomes(results, dict(TOPOLOGY_SHARD_BATCH_ON_ONE_RANK), {})

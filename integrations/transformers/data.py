@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ring_sp import LAYOUTS, SequenceParallelTopology
-from ring_sp.agreement import CallSignature, raise_together
 from ring_sp import shard_batch as ring_sp_shard_batch
+from ring_sp.data import sharded_together
 from ring_sp.layouts import Boundaries, as_boundaries, layout_unit
 from ring_sp.spans import Spans
 
@@ -155,34 +155,15 @@ def shard_batch(batch: Mapping[str, Any], topology: SequenceParallelTopology | N
     ``"ring_sp_image_tokens"`` (which rows of their features are the shard's image tokens; on
     more than one rank): see :mod:`.multimodal` for how, and what it costs.
     """
-    group = _agreement_group(topology)
-    try:
-        shard, error = _cut(batch, topology, layout=layout, pad_id=pad_id, model=model), None
-    except (TypeError, ValueError) as exc:
-        shard, error = None, exc
-    if group is not None:
-        signature, device = _signature(batch, layout)
-        raise_together(group, signature, error, validate=validate, device=device)
-    elif error is not None:
-        raise error
-    return shard
-
-
-def _signature(batch: object, layout: object) -> tuple[CallSignature, torch.device]:
-    """What every rank's call must share (the layout, the global batch's shape) and the batch's device."""
-    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
-    dims = tuple(ids.shape) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (-1, -1)
-    code = LAYOUTS.index(layout) if layout in LAYOUTS else -1
-    device = ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
-    return CallSignature.named("shard", (code, *dims), f"shard_batch(input_ids {dims}, layout={layout!r})"), device
+    return sharded_together(_agreement_group(topology), batch, layout,
+                            lambda: _cut(batch, topology, layout=layout, pad_id=pad_id, model=model), validate=validate)
 
 
 def _agreement_group(topology: object) -> Any:
     """The SP group whose ranks :func:`shard_batch` makes fail together, or None: the registered
     topology's (the group the attention agrees on: a rank given another topology still meets
-    its peers there) else ``topology``'s, of more than one rank, outside DataLoader workers;
-    None for ``topology=None`` (one rank, nothing sharded)."""
-    if topology is None or not dist.is_initialized() or torch.utils.data.get_worker_info() is not None:
+    its peers there) else ``topology``'s, of more than one rank; None for ``topology=None`` (one rank, nothing sharded)."""
+    if topology is None or not dist.is_initialized():
         return None
     registered = registration()
     for chosen in (None if registered is None else registered.topology, topology):

@@ -8,5 +8,6 @@ step with ring_sp's defaults against ALST's modules and untiled (:mod:`.step` on
 :mod:`.hf_llama`). Every GPU-only call goes through one seam (:mod:`.seam`: device, memory
 counter, timer, profiler, reference attention), so ``--dry`` runs every section on the CPU at
 tiny sizes (CI); :mod:`.preflight` brings wheels, names what is missing before anything runs,
-and describes the card.
+and describes the card; :mod:`.checkout` makes ``ring_sp.integrations`` importable where
+ring_sp runs from this checkout uninstalled (the GPU machine).
 """

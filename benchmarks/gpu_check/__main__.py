@@ -29,10 +29,16 @@ from typing import Any
 
 import torch
 
-from ..tables import table
-from . import efficiency, kernel_tests, memory, step
-from .preflight import card, card_markdown, install_wheels, integrations_from_checkout, missing
-from .seam import Deadline, Seam
+from .checkout import integrations_from_checkout
+
+# Before any section is imported: on the GPU machine ring_sp runs from this checkout, not
+# installed, and ring_sp.integrations exists only once integrations/ is mapped there.
+INTEGRATIONS_MAPPED = integrations_from_checkout()
+
+from ..tables import table  # noqa: E402
+from . import efficiency, kernel_tests, memory, step  # noqa: E402
+from .preflight import card, card_markdown, install_wheels, missing  # noqa: E402
+from .seam import Deadline, Seam  # noqa: E402
 
 Record = dict[str, Any]
 SECTIONS = ("kernel_tests", "memory", "efficiency", "step")
@@ -149,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     else:  # tiny ops: waking a pool of threads for each costs more than the op (10x on a busy machine)
         torch.set_num_threads(1)
     wheels = install_wheels(args.wheels) if args.wheels else None
-    mapped = integrations_from_checkout()  # ring_sp not installed (the GPU machine)
     seam = Seam.open(args.dry)
     caps = {name: getattr(args, f"cap_{name}") or CAPS[mode][name] for name in args.sections}
     skips = missing(args.sections)
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.monotonic() - started:6.1f} s] {message}", flush=True)
 
-    if mapped:
+    if INTEGRATIONS_MAPPED:
         log("ring_sp is not installed: integrations/ imported as ring_sp.integrations from this checkout")
     for row, reason in skips.items():
         log(f"will skip {row}: {reason}")

@@ -11,9 +11,10 @@ step, one :class:`Step` per mode:
 * ``ring_sp+ckpt``: the same with every layer checkpointed (``gradient_checkpointing_enable()``);
 * ``untiled``: ring_sp's attention and nothing else switched on: transformers' MLP, the full
   logits, ``model_loss`` (the loss from the logits);
-* ``ALST``: ALST's modules on one GPU: sdpa attention, DeepSpeed's ``TiledMLP`` with its
-  recipe's ``ceil(n / hidden)`` tiles, every layer checkpointed, ``TiledFusedLogitsLoss`` with
-  1 GiB of fp32 logits per tile (:data:`ALST_LOSS_TILE_BYTES`).
+* ``ALST``: ALST's modules on one GPU, as issue 38 measured them: sdpa attention (torch's own
+  choice of kernel: cuDNN's on an H200), DeepSpeed's ``TiledMLP`` with its recipe's
+  ``ceil(n / hidden)`` tiles, every layer checkpointed (reentrant, on the device),
+  ``TiledFusedLogitsLoss`` with 1 GiB of fp32 logits per tile (:data:`ALST_LOSS_TILE_BYTES`).
 
 :func:`build_steps` builds the modes from one seed, all training ONE set of parameters and
 gradients (:func:`share_parameters`), so every mode's loss at a length must agree. DeepSpeed is
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ring_sp
+import ring_sp.integrations.transformers as rsp_hf
 from ring_sp.data import IGNORE_INDEX
 
 LLAMA_3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -90,14 +92,10 @@ class Step:
 
 def _ring_sp_step(mode: str, config: Any, device: torch.device, dtype: torch.dtype,
                   topology: ring_sp.SequenceParallelTopology) -> Step:
-    # imported here: from an uninstalled checkout (the GPU machine) ring_sp.integrations exists only once
-    # benchmarks.gpu_check.preflight.integrations_from_checkout() ran
-    import ring_sp.integrations.transformers as rsp_hf
-
     rsp_hf.register(topology)
     model = build_model(config, device, dtype, "ring_sp")
     if mode == "ring_sp+ckpt":
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     if mode != "untiled":
         rsp_hf.enable_long_sequence(model)  # its defaults
 
@@ -110,8 +108,8 @@ def _ring_sp_step(mode: str, config: Any, device: torch.device, dtype: torch.dty
 def _alst_step(config: Any, device: torch.device, dtype: torch.dtype) -> Step:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, TiledMLP
 
-    model = build_model(config, device, dtype, "sdpa")
-    model.gradient_checkpointing_enable()
+    model = build_model(config, device, dtype, "sdpa")  # torch's own SDPA choice (cuDNN's on an H200)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 
     def gated(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))

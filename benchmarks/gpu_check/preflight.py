@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ring_sp.integrations.versions import require_supported
 from ring_sp.kernels import get_kernel, unavailable_reason
 
 from .seam import Seam
@@ -68,25 +69,6 @@ def install_wheels(folder: Path) -> Record:
             "already_present": {name: version for name, version in present.items() if version is not None}}
 
 
-def integrations_from_checkout() -> bool:
-    """Make ``ring_sp.integrations`` importable where ring_sp runs from this checkout without being
-    installed (the GPU machine installs nothing): the ``integrations/`` folder becomes that package,
-    as setup.py's ``package_dir`` maps it at install. True if it had to."""
-    import ring_sp
-
-    if importlib.util.find_spec("ring_sp.integrations") is not None:
-        return False
-    folder = Path(__file__).resolve().parents[2] / "integrations"
-    spec = importlib.util.spec_from_file_location("ring_sp.integrations", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ring_sp.integrations"] = module
-    spec.loader.exec_module(module)
-    ring_sp.integrations = module  # type: ignore[attr-defined]
-    return True
-
-
 def _import_error(module: str) -> str | None:
     """Why ``module`` cannot be imported (its error, naming what is missing), or None."""
     try:
@@ -113,9 +95,6 @@ def missing(sections: list[str]) -> dict[str, str]:
 def step_missing() -> dict[str, str]:
     """What the ``step`` section cannot run: every mode without a supported transformers
     (``ring_sp.integrations.versions``), ``ALST`` without DeepSpeed's modules."""
-    # imported here: ring_sp.integrations exists only once integrations_from_checkout() ran (uninstalled ring_sp)
-    from ring_sp.integrations.versions import require_supported
-
     found = {}
     try:
         require_supported("transformers", "the step section (ring_sp.integrations.transformers)")

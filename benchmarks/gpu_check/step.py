@@ -34,7 +34,8 @@ from .seam import Deadline, Seam
 
 Record = dict[str, Any]
 UNTILED_RATIO_TARGET, ALST_RATIO_TARGET = 1.10, 1.00
-LOSS_AGREEMENT = {"bfloat16": 2e-2, "float32": 1e-4}  # relative, between the modes' losses
+# relative, between the modes' losses: a label off by one token moves it by about 5e-4 (fp32, tiny dry model)
+LOSS_AGREEMENT = {"bfloat16": 2e-3, "float32": 1e-4}
 
 
 @dataclass(frozen=True)

@@ -156,8 +156,8 @@ def markdown(records: list[Record]) -> list[str]:
         ratio = lambda key: f"**{r[key]:.2f}**" if key in r else "-"  # noqa: E731
         diff = r.get("max_abs_diff")
         name = r["backend"] if r.get("reference") else f"`{r['backend']}`" + (" (auto)" if r.get("auto") else "")
-        body.append([name, ms(r["forward_s"]), f"{r['forward_tflops']:.0f}", ratio("forward_ratio"),
-                     ms(r["backward_s"]), f"{r['backward_tflops']:.0f}", ratio("backward_ratio"),
+        body.append([name, ms(r["forward_s"]), f"{r['forward_tflops']:.3g}", ratio("forward_ratio"),
+                     ms(r["backward_s"]), f"{r['backward_tflops']:.3g}", ratio("backward_ratio"),
                      "-" if diff is None or math.isnan(diff) else f"{diff:.1e}"])
     first = rows[0]
     reference = next((r for r in rows if r.get("reference")), {})
@@ -194,7 +194,7 @@ def targets(records: list[Record]) -> list[list[str]]:
         if f"{d}_ratio" not in mine:
             rows.append([name, reference.get("error", "not measured"), "unmeasured"])
             continue
-        rows.append([name, f"{mine[f'{d}_tflops']:.0f} / {reference[f'{d}_tflops']:.0f} TFLOP/s = "
+        rows.append([name, f"{mine[f'{d}_tflops']:.3g} / {reference[f'{d}_tflops']:.3g} TFLOP/s = "
                      f"{mine[f'{d}_ratio']:.2f}", verdict[mine[f"{d}_ratio"] >= RATE_TARGET]])
     order = " > ".join(f"`{n}`" for n in auto["measured_order"]) or "none measured"
     rows.append(["`auto` picks the fastest measured backend (forward + backward)",

@@ -20,6 +20,7 @@ mode runs under torch.profiler: its top CUDA kernels by their own time
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,8 +121,7 @@ class _Runner:
             self.failed_at[mode] = n
             seam.release()
             return {"out_of_memory": failed}
-        times = sorted(r[0] for r in runs)
-        median = times[len(times) // 2]
+        median = statistics.median(r[0] for r in runs)
         added = max(r[1] for r in runs)
         self.times[mode].append((n, median))
         self.added[mode].append((n, added))
@@ -210,13 +210,14 @@ def markdown(records: list[Record]) -> list[str]:
             cells.append(f"**{ring['step_s'] / measured[other]['step_s']:.2f}**" if ring and other in measured else "-")
         cells.append(f"{_loss_spread(measured):.1e}" if measured else "-")
         body.append(cells)
-    out = [f"transformers' LlamaForCausalLM, Llama-3-8B's shape (hidden {first['hidden']:,}, vocab "
-           f"{first['vocab']:,}), {first['layers']} layers, {first['dtype']}, one forward + backward: seconds per step "
+    out = [f"transformers' LlamaForCausalLM (hidden {first['hidden']:,}, vocab {first['vocab']:,}: Llama-3-8B's "
+           f"shape on the GPU), {first['layers']} layers, {first['dtype']}, one forward + backward: seconds per step "
            "(median after a warm-up; CUDA events). `ring_sp`: `register` + `enable_long_sequence` defaults; "
-           "`untiled`: ring_sp's attention only; `ALST`: sdpa + DeepSpeed's TiledMLP + TiledFusedLogitsLoss, every "
-           "layer checkpointed; `ring_sp+ckpt`: the defaults with every layer checkpointed. Targets: ring_sp / untiled "
-           f"<= {UNTILED_RATIO_TARGET}, ring_sp / ALST <= {ALST_RATIO_TARGET}. Loss spread: the modes' largest "
-           "relative difference (one set of weights, the same tokens).", ""]
+           "`untiled`: ring_sp's attention only; `ALST`: sdpa (torch's choice of kernel) + DeepSpeed's TiledMLP + "
+           "TiledFusedLogitsLoss, every layer checkpointed; `ring_sp+ckpt`: the defaults with every layer "
+           f"checkpointed. Targets: ring_sp / untiled <= {UNTILED_RATIO_TARGET:.2f}, ring_sp / ALST <= "
+           f"{ALST_RATIO_TARGET:.2f}. Loss spread: the modes' largest relative difference (one set of weights, the "
+           "same tokens).", ""]
     for mode in modes:
         r = cell.get((mode, None))
         if r is not None:

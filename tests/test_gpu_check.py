@@ -145,6 +145,24 @@ def test_available_backends_skip_what_cannot_run_and_names_ring_sp_lacks():
     assert "no_such" in why["no_such"] and "flash-attn" in why["flash_attn"]
 
 
+def test_a_refusing_reference_and_a_spent_time_cap_are_recorded(monkeypatch):
+    """The reference refusing both ways (native GQA, KV heads repeated) leaves its error and no
+    ratios; with no time left every schedule point is a skipped row naming the cap."""
+    seam = Seam.open(dry=True)
+    # the memory-efficient SDPA has no CPU kernel: it refuses every call here, as cuDNN's may on a GPU
+    monkeypatch.setattr(seam, "sdpa_reference", lambda: (torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, "x"))
+    cfg = gpu_efficiency.DRY
+    records = list(gpu_efficiency.efficiency(seam, cfg, Deadline(-1.0), lambda message: None))
+    reference = next(r for r in records if r.get("reference"))
+    assert "enable_gqa" in reference["error"] and "KV heads repeated" in reference["error"]
+    rated = [r for r in records if r["section"] == "attention_rate" and "forward_s" in r]
+    assert rated and not any("forward_ratio" in r for r in rated)
+    assert [row[2] for row in gpu_attention_rate.targets(records)][:2] == ["unmeasured", "unmeasured"]
+    points = [r for r in records if r["section"] == "efficiency"]
+    assert len(points) == len(cfg.tokens_per_rank) * len(cfg.world_sizes) * len(gpu_efficiency.SCHEDULES)
+    assert all(r["skipped"].startswith("time cap") for r in points)
+
+
 def test_the_step_section_times_every_mode_on_one_set_of_weights(dry_run):
     records = dry_run[1]
     (models,) = _section(records, "step_models")

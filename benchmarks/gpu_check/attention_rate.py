@@ -137,6 +137,7 @@ def attention_rate(seam: Seam, seq_len: int, heads: int, kv_heads: int, head_dim
     for name, reason in unavailable.items():
         yield {**base, "backend": name, "skipped": reason}
     order = sorted(measured, key=measured.get)  # type: ignore[arg-type]
+    log(f"attention rate: auto picks {auto}; measured order (forward + backward) {' > '.join(order) or 'none'}")
     yield {**base, "backend": "auto", "auto_backend": auto, "measured_order": order,
            "fastest": order[0] if order else None, "auto_is_fastest": bool(order) and order[0] == auto}
 

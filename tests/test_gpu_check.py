@@ -23,7 +23,7 @@ from benchmarks.gpu_check import efficiency as gpu_efficiency
 from benchmarks.gpu_check import memory as gpu_memory
 from benchmarks.gpu_check import step as gpu_step
 from benchmarks.gpu_check.__main__ import CAPS, summary
-from benchmarks.gpu_check.hf_llama import LLAMA_3_8B
+from benchmarks.gpu_check.hf_llama import llama_3_8b
 from benchmarks.gpu_check.loopback import rank_specs, ring_grads, ring_outputs, ring_rank_backward
 from ring_sp import shard_sequence, unshard_sequence
 from ring_sp.kernels import get_kernel
@@ -247,7 +247,7 @@ def test_the_gpu_configurations_fit_their_time_and_shapes():
                     check_layout(layout, p, n * p, cu_seqlens=cu)
                     assert window is None or window < n
     for cfg in (gpu_step.FULL, gpu_step.QUICK):
-        assert cfg.shape == LLAMA_3_8B and cfg.profile_len in cfg.seq_lens and cfg.modes[:3] == ("ring_sp", "untiled",
+        assert cfg.shape == llama_3_8b(2) and cfg.profile_len in cfg.seq_lens and cfg.modes[:3] == ("ring_sp", "untiled",
                                                                                                  "ALST")
         assert min(cfg.seq_lens) == 16384 and all(n % 8192 == 0 for n in cfg.seq_lens)  # the 16K-128K
     assert max(gpu_step.FULL.seq_lens) == 131072 and gpu_efficiency.FULL.rate_tokens == 32768

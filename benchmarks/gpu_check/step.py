@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ring_sp.plan.step_memory import Transformer
+
 from ..tables import table
-from .hf_llama import LLAMA_3_8B, TINY, Step, build_steps, llama_config, tokens
+from .hf_llama import TINY, Step, build_steps, llama_3_8b, tokens
 from .memory import predict_time
 from .preflight import step_missing
 from .seam import Deadline, Seam
@@ -41,8 +43,7 @@ LOSS_AGREEMENT = {"bfloat16": 2e-3, "float32": 1e-4}
 
 @dataclass(frozen=True)
 class StepConfig:
-    shape: dict[str, Any] = field(default_factory=lambda: dict(LLAMA_3_8B))
-    layers: int = 2
+    shape: Transformer = llama_3_8b(2)
     seq_lens: tuple[int, ...] = (16384, 32768, 65536, 131072)
     modes: tuple[str, ...] = ("ring_sp", "untiled", "ALST", "ring_sp+ckpt")  # in order of priority
     repeats: int = 2
@@ -55,7 +56,7 @@ class StepConfig:
 
 FULL = StepConfig()
 QUICK = StepConfig(seq_lens=(16384, 32768), modes=("ring_sp", "untiled", "ALST"))
-DRY = StepConfig(shape=dict(TINY), seq_lens=(64, 256), repeats=1, profile_len=64, dry_capacity=3 * 2**20)
+DRY = StepConfig(shape=TINY, seq_lens=(64, 256), repeats=1, profile_len=64, dry_capacity=3 * 2**20)
 
 
 class _Runner:
@@ -72,14 +73,14 @@ class _Runner:
     def free_bytes(self) -> int:
         return self.seam.capacity() - (self.seam.allocated() if self.seam.is_cuda else self.resident)
 
-    def one(self, step: Step, inputs: Any) -> tuple[float, int, int, torch.Tensor]:
+    def one(self, step: Step, ids: torch.Tensor) -> tuple[float, int, int, torch.Tensor]:
         """(seconds, bytes added at the peak, the peak, loss) of one forward + backward, gradients zeroed first."""
         for p in self.params:
             p.grad.zero_()
         losses: list[torch.Tensor] = []
 
         def run() -> None:
-            loss = step.loss(inputs)
+            loss = step.loss(ids)
             loss.backward()
             losses.append(loss.detach())
 
@@ -107,12 +108,12 @@ class _Runner:
         """Warm-up, then the timed steps: ``step_s`` (median), ``times_s``, ``loss``, ``added_bytes``;
         or ``out_of_memory`` with the message."""
         step, seam = self.steps[mode], self.seam
-        inputs = step.prepare(tokens(n, self.cfg.shape["vocab_size"], seam.device))
+        ids = tokens(n, self.cfg.shape.vocab, seam.device)
         failed = None
         try:
-            warm = self.one(step, inputs)
+            warm = self.one(step, ids)
             repeats = 1 if warm[0] > self.cfg.long_step_s else self.cfg.repeats
-            runs = [self.one(step, inputs) for _ in range(repeats)]
+            runs = [self.one(step, ids) for _ in range(repeats)]
         except Exception as exc:  # noqa: BLE001  (anything but running out of memory is raised again)
             if not seam.is_out_of_memory(exc):
                 raise
@@ -129,26 +130,25 @@ class _Runner:
                 "added_bytes": added, "peak_bytes": max(r[2] for r in runs)}
 
     def profile(self, mode: str, n: int) -> Record:
-        step = self.steps[mode]
-        inputs = step.prepare(tokens(n, self.cfg.shape["vocab_size"], self.seam.device))
+        step, ids = self.steps[mode], tokens(n, self.cfg.shape.vocab, self.seam.device)
         for p in self.params:
             p.grad.zero_()
-        return self.seam.profile(lambda: step.loss(inputs).backward(), self.cfg.profile_top)
+        return self.seam.profile(lambda: step.loss(ids).backward(), self.cfg.profile_top)
 
 
 def step(seam: Seam, cfg: StepConfig, deadline: Deadline, log: Callable[[str], None]) -> Iterator[Record]:
     """Every mode at every length, shortest first, within ``deadline``; each record as soon as it is measured."""
     if not seam.is_cuda:
         seam = Seam(seam.device, cfg.dry_capacity)
-    base: Record = {"section": "step", "layers": cfg.layers, "hidden": cfg.shape["hidden_size"],
-                    "vocab": cfg.shape["vocab_size"], "dtype": str(seam.dtype).removeprefix("torch.")}
+    shape = cfg.shape
+    base: Record = {"section": "step", "model": shape.name, "layers": shape.layers, "hidden": shape.hidden,
+                    "vocab": shape.vocab, "dtype": str(seam.dtype).removeprefix("torch.")}
     unsupported = step_missing().get("step")
     if unsupported:
         yield {**base, "mode": "every mode", "skipped": f"{unsupported} (carry a supported wheel: docs/benchmarks.md)"}
         return
-    config = llama_config(cfg.shape, cfg.layers)
-    log(f"step: building {', '.join(cfg.modes)} ({cfg.layers} layers, one set of parameters)")
-    steps, missing = build_steps(cfg.modes, config, seam.device, seam.dtype)
+    log(f"step: building {', '.join(cfg.modes)} ({shape.name}, one set of parameters)")
+    steps, missing = build_steps(cfg.modes, shape, seam.device, seam.dtype)
     for mode, reason in missing.items():
         yield {**base, "mode": mode, "skipped": f"cannot build it: {reason}; bring DeepSpeed's wheel with --wheels "
                "(docs/benchmarks.md)"}
@@ -156,7 +156,8 @@ def step(seam: Seam, cfg: StepConfig, deadline: Deadline, log: Callable[[str], N
         return
     runner = _Runner(seam, cfg, steps)
     first = next(iter(steps.values())).model
-    yield {"section": "step_models", "modes": list(steps), "parameters": sum(p.numel() for p in runner.params),
+    yield {"section": "step_models", "modes": list(steps), "pieces": {m: s.pieces for m, s in steps.items()},
+           "parameters": sum(p.numel() for p in runner.params),
            "resident_bytes": runner.resident, "parameters_shared": all(
                p is q for s in steps.values() for p, q in zip(s.model.parameters(), first.parameters()))}
     for n in cfg.seq_lens:
@@ -211,13 +212,17 @@ def markdown(records: list[Record]) -> list[str]:
         cells.append(f"{_loss_spread(measured):.1e}" if measured else "-")
         body.append(cells)
     out = [f"transformers' LlamaForCausalLM (hidden {first['hidden']:,}, vocab {first['vocab']:,}: Llama-3-8B's "
-           f"shape on the GPU), {first['layers']} layers, {first['dtype']}, one forward + backward: seconds per step "
-           "(median after a warm-up; CUDA events). `ring_sp`: `register` + `enable_long_sequence` defaults; "
-           "`untiled`: ring_sp's attention only; `ALST`: sdpa (torch's choice of kernel) + DeepSpeed's TiledMLP + "
-           "TiledFusedLogitsLoss, every layer checkpointed; `ring_sp+ckpt`: the defaults with every layer "
-           f"checkpointed. Targets: ring_sp / untiled <= {UNTILED_RATIO_TARGET:.2f}, ring_sp / ALST <= "
+           f"shape on the GPU), {first['layers']} layers, {first['dtype']}, one forward + backward per mode: seconds "
+           "per step (median after a warm-up; CUDA events). `ring_sp`: `register` + `enable_long_sequence` "
+           "defaults + `model_loss`; each mode's pieces below. "
+           f"Targets: ring_sp / untiled <= {UNTILED_RATIO_TARGET:.2f}, ring_sp / ALST <= "
            f"{ALST_RATIO_TARGET:.2f}. Loss spread: the modes' largest relative difference (one set of weights, the "
            "same tokens).", ""]
+    for built in (r for r in records if r["section"] == "step_models"):
+        out += [f"* `{mode}`: " + "; ".join(f"{k} {v}" for k, v in pieces.items()) for mode, pieces in
+                built["pieces"].items()]
+        shared = "one set shared by every mode" if built["parameters_shared"] else "**not shared**"
+        out += [f"* {built['parameters']:,} parameters, {shared}", ""]
     for mode in modes:
         r = cell.get((mode, None))
         if r is not None:

@@ -56,7 +56,8 @@ class StepConfig:
 
 FULL = StepConfig()
 QUICK = StepConfig(seq_lens=(16384, 32768), modes=("ring_sp", "untiled", "ALST"))
-DRY = StepConfig(shape=TINY, seq_lens=(64, 256), repeats=1, profile_len=64, dry_capacity=3 * 2**20)
+# the stand-in's capacity: at 256 tokens untiled's full logits pass it by about 15%, the others stay ~17% below
+DRY = StepConfig(shape=TINY, seq_lens=(64, 256), repeats=1, profile_len=64, dry_capacity=int(2.75 * 2**20))
 
 
 class _Runner:

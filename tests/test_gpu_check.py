@@ -18,22 +18,34 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.gpu_check import attention_rate as gpu_attention_rate
 from benchmarks.gpu_check import efficiency as gpu_efficiency
 from benchmarks.gpu_check import memory as gpu_memory
+from benchmarks.gpu_check import step as gpu_step
 from benchmarks.gpu_check.__main__ import CAPS, summary
+from benchmarks.gpu_check.hf_llama import llama_3_8b
+from benchmarks.gpu_check.loopback import rank_specs, ring_grads, ring_outputs, ring_rank_backward
+from ring_sp import shard_sequence, unshard_sequence
+from ring_sp.kernels import get_kernel
 from ring_sp.layouts import check_layout
 from benchmarks.gpu_check.preflight import install_wheels
 from benchmarks.gpu_check.seam import Deadline, Seam, SimulatedOutOfMemory
 
 ROOT = Path(__file__).resolve().parents[1]
+# The GPU machine runs gpu_check from a checkout where ring_sp is not installed: without the
+# editable install's finder, ring_sp comes from the checkout and ring_sp.integrations from nowhere
+# (setup.py maps it at install) until gpu_check's preflight maps it.
+UNINSTALLED = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+               "runpy.run_module('benchmarks.gpu_check', run_name='__main__', alter_sys=True)")
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", UNINSTALLED, "--dry", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (out / "run.log").write_text(done.stdout)
     records = [json.loads(line) for line in (out / "gpu_check.jsonl").read_text().splitlines()]
     return out, records
 
@@ -45,16 +57,18 @@ def _section(records, name):
 def test_dry_run_writes_every_section(dry_run):
     out, records = dry_run
     assert {r["section"] for r in records} >= {"card", "kernel_tests", "memory", "memory_longest", "efficiency",
-                                               "section_time"}
+                                               "attention_rate", "step", "step_models", "step_profile", "section_time"}
     assert not [r for r in records if "error" in r], [r for r in records if "error" in r]
+    assert "ring_sp is not installed: integrations/ imported as ring_sp.integrations" in (out / "run.log").read_text()
     (card,) = _section(records, "card")
     assert card["mode"] == "dry" and card["torch"] == torch.__version__ and card["kernel"] == "torch"
     times = {r["name"]: r for r in _section(records, "section_time")}
-    assert set(times) == {"kernel_tests", "memory", "efficiency"}
+    assert set(times) == {"kernel_tests", "memory", "efficiency", "step"}
     assert all(t["status"] == "done" and t["elapsed_s"] <= t["cap_s"] for t in times.values())
     assert all("--sections" in r["command"] for r in records if r["section"] in times)
     text = (out / "gpu_check.md").read_text()
-    for heading in ("## CUDA kernel tests", "## Step memory", "## Schedule efficiency", "## Targets"):
+    for heading in ("## CUDA kernel tests", "## Step memory", "## Attention rate and schedule efficiency",
+                    "## Step time", "## Targets"):
         assert heading in text
 
 
@@ -84,19 +98,121 @@ def test_the_longest_n_is_bracketed_for_ring_sp_and_alst(dry_run):
 
 
 def test_efficiency_records_are_finite_and_exact(dry_run):
+    """Forward and backward of every schedule and P, for the one fused backend of the CPU; the
+    first size of each checked: the output and every rank's dq, dk, dv against the baseline."""
     rows = _section(dry_run[1], "efficiency")
-    assert {(r["schedule"], r["world_size"]) for r in rows} == {(s, p) for s in ("zigzag", "window", "packed")
-                                                                for p in (4, 8)}
+    assert {(r["schedule"], r["world_size"], r["backend"]) for r in rows} == {
+        (s, p, "torch") for s in ("zigzag", "window", "packed") for p in (4, 8)}
     for r in rows:
         assert "skipped" not in r, r
-        for key in ("efficiency", "efficiency_work", "sum_s", "baseline_s", "full_s"):
-            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
-        assert r["pairs"] <= r["causal_pairs"] and len(r["rank_s"]) == r["world_size"]
+        assert r["pairs"] <= r["causal_pairs"]
+        for d in ("forward", "backward"):
+            for key in ("efficiency", "efficiency_work", "sum_s", "baseline_s", "tflops"):
+                assert math.isfinite(r[d][key]) and r[d][key] > 0, (d, key, r)
+            assert len(r[d]["rank_s"]) == r["world_size"]
     zigzag = [r for r in rows if r["schedule"] == "zigzag"]
     assert all(r["pairs"] == r["causal_pairs"] for r in zigzag)  # the schedule covers every causal pair once
     checked = [r for r in rows if r.get("max_abs_diff") is not None]
-    assert {r["schedule"] for r in checked} == {"zigzag", "window", "packed"}
-    assert all(r["max_abs_diff"] < 1e-4 for r in checked), checked
+    assert {(r["schedule"], r["world_size"]) for r in checked} == {(s, p) for s in ("zigzag", "window", "packed")
+                                                                   for p in (4, 8)}
+    assert all(r["max_abs_diff"] < 1e-4 and r["grad_max_rel_diff"] < 1e-4 for r in checked), checked
+
+
+def test_attention_rate_rates_every_backend_against_the_reference(dry_run):
+    rows = _section(dry_run[1], "attention_rate")
+    by_name = {r["backend"]: r for r in rows}
+    reference = next(r for r in rows if r.get("reference"))
+    assert "error" not in reference and reference["gqa"].startswith("native")
+    assert {"torch", "reference", "auto"} <= set(by_name) and "skipped" in by_name["flash_attn"]
+    for name in ("torch", "reference"):
+        r = by_name[name]
+        for d in ("forward", "backward"):
+            assert r[f"{d}_ratio"] == pytest.approx(reference[f"{d}_s"] / r[f"{d}_s"])
+            assert r[f"{d}_tflops"] > 0
+        assert r["max_abs_diff"] < 1e-5  # the same attention as the reference's
+    auto = by_name["auto"]
+    assert auto["auto_backend"] == "torch" and by_name["torch"]["auto"] and not by_name["reference"]["auto"]
+    assert sorted(auto["measured_order"]) == ["reference", "torch"] and auto["fastest"] == auto["measured_order"][0]
+    assert auto["auto_is_fastest"] == (auto["fastest"] == "torch")
+    text = (dry_run[0] / "gpu_check.md").read_text()
+    assert "`auto` picks `torch`" in text and "attention rate of `auto` (`torch`)" in text
+
+
+def test_available_backends_skip_what_cannot_run_and_names_ring_sp_lacks():
+    ok, why = gpu_attention_rate.available_backends(torch.device("cpu"), torch.float32, 16,
+                                                    names=("auto", "torch", "reference", "flash_attn", "no_such"))
+    assert ok == ["torch"] and set(why) == {"flash_attn", "no_such"}
+    assert "no_such" in why["no_such"] and "flash-attn" in why["flash_attn"]
+
+
+def test_a_refusing_reference_and_a_spent_time_cap_are_recorded(monkeypatch):
+    """The reference refusing both ways (native GQA, KV heads repeated) leaves its error and no
+    ratios; with no time left every schedule point is a skipped row naming the cap."""
+    seam = Seam.open(dry=True)
+    # the memory-efficient SDPA has no CPU kernel: it refuses every call here, as cuDNN's may on a GPU
+    monkeypatch.setattr(seam, "sdpa_reference", lambda: (torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, "x"))
+    cfg = gpu_efficiency.DRY
+    records = list(gpu_efficiency.efficiency(seam, cfg, Deadline(-1.0), lambda message: None))
+    reference = next(r for r in records if r.get("reference"))
+    assert "enable_gqa" in reference["error"] and "KV heads repeated" in reference["error"]
+    rated = [r for r in records if r["section"] == "attention_rate" and "forward_s" in r]
+    assert rated and not any("forward_ratio" in r for r in rated)
+    assert [row[2] for row in gpu_attention_rate.targets(records)][:2] == ["unmeasured", "unmeasured"]
+    points = [r for r in records if r["section"] == "efficiency"]
+    assert len(points) == len(cfg.tokens_per_rank) * len(cfg.world_sizes) * len(gpu_efficiency.SCHEDULES)
+    assert all(r["skipped"].startswith("time cap") for r in points)
+
+
+def test_the_step_section_times_every_mode_on_one_set_of_weights(dry_run):
+    records = dry_run[1]
+    (models,) = _section(records, "step_models")
+    assert models["modes"] == ["ring_sp", "untiled", "ALST", "ring_sp+ckpt"] and models["parameters_shared"]
+    rows = {(r["mode"], r["seq_len"]): r for r in _section(records, "step")}
+    short, long = gpu_step.DRY.seq_lens
+    for mode in models["modes"]:
+        r = rows[mode, short]
+        assert r["step_s"] > 0 and len(r["times_s"]) == gpu_step.DRY.repeats and r["added_bytes"] > 0
+    # the full logits do not fit the stand-in's memory at the longer length: untiled runs out, the others fit
+    assert "out_of_memory" in rows["untiled", long] and all("step_s" in rows[m, long] for m in models["modes"]
+                                                            if m != "untiled")
+    for n in (short, long):  # one set of weights, the same tokens: every mode's loss is the same (fp32)
+        losses = [r["loss"] for (m, k), r in rows.items() if k == n and "loss" in r]
+        assert len(losses) >= 3 and max(losses) - min(losses) <= 1e-4 * abs(losses[0])
+    profiles = {r["mode"]: r for r in _section(records, "step_profile")}
+    assert set(profiles) == set(models["modes"])
+    for p in profiles.values():
+        assert p["seq_len"] == gpu_step.DRY.profile_len and 0 < len(p["top"]) <= gpu_step.DRY.profile_top
+        assert sum(k["share"] for k in p["top"]) <= 1 + 1e-9 and p["top"][0]["self_ms"] >= p["top"][-1]["self_ms"]
+    assert "aten::mm" in [k["name"] for k in profiles["untiled"]["top"]]  # the ops of the step, by their own time
+    targets = {row[0]: row for row in gpu_step.targets(records)}
+    untiled = next(row for name, row in targets.items() if "untiled" in name)
+    assert f"{short:,}:" in untiled[1] and f"{long:,}:" not in untiled[1]  # where untiled fits
+    assert next(row for name, row in targets.items() if "losses agree" in name)[2] == "met"
+
+
+def test_loopback_ring_gives_exact_gradients_and_needs_its_collection():
+    """:func:`ring_grads` (each rank's dK/dV partials collected) equals the kernel on the whole
+    sequence, for the relayed (zigzag) and the direct (window) routes; the same backward without
+    the collection (what is timed) leaves dk wrong: the collection is what makes the check exact."""
+    torch.manual_seed(0)
+    p, n, scale = 4, 8, 0.25
+    q, dout = torch.randn(1, p * n, 4, 16, dtype=torch.float64), torch.randn(1, p * n, 4, 16, dtype=torch.float64)
+    k, v = torch.randn(1, p * n, 2, 16, dtype=torch.float64), torch.randn(1, p * n, 2, 16, dtype=torch.float64)
+    kernel = get_kernel("reference", q.device, q.dtype, 16)
+    for layout, window in (("zigzag", None), ("contiguous", 5)):
+        qs, ks, vs, douts = ([shard_sequence(x, rank=r, world_size=p, layout=layout) for r in range(p)]
+                             for x in (q, k, v, dout))
+        specs = rank_specs(kernel, scale, layout, n, None, window, ks, vs)
+        outputs = ring_outputs(specs, qs, ks, vs)
+        out, lse = kernel.forward(q, k, v, causal=True, scale=scale, window=window)
+        want = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=scale, window=window)
+        got = [unshard_sequence(torch.stack(g), layout=layout) for g in zip(*ring_grads(specs, douts, qs, ks, vs,
+                                                                                      outputs))]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w.double(), rtol=1e-10, atol=1e-10)
+        plain = [ring_rank_backward(specs[r], douts[r], qs[r], ks[r], vs[r], *outputs[r]) for r in range(p)]
+        dk = unshard_sequence(torch.stack([x[1] for x in plain]), layout=layout)
+        assert (dk - want[1]).abs().max() > 1e-3  # negative control
 
 
 def test_the_summary_names_what_was_skipped_or_failed(dry_run):
@@ -105,12 +221,16 @@ def test_the_summary_names_what_was_skipped_or_failed(dry_run):
         {"section": "memory_longest", "target": "ALST", "skipped": "DeepSpeed's ALST modules are not importable (x)"},
         *dry_run[1],
         {"section": "kernel_tests", "selection": "full", "skipped": "pytest is not installed"},
-        {"section": "efficiency", "schedule": "zigzag", "world_size": 8, "tokens_per_rank": 65536,
+        {"section": "efficiency", "schedule": "zigzag", "world_size": 8, "tokens_per_rank": 65536, "backend": "cudnn",
          "seq_len": 524288, "skipped": "time cap: predicted 30.0 s, 3 s left"},
         {"section": "efficiency", "error": "RuntimeError: boom"},
+        {"section": "attention_rate", "backend": "cuDNN SDPA", "reference": True, "error": "enable_gqa: no kernel (y)"},
+        {"section": "step", "mode": "ALST", "skipped": "cannot build it: ImportError: no deepspeed (z)"},
+        {"section": "step", "mode": "untiled", "seq_len": 131072, "skipped": "predicted 300.0 GiB added (w)"},
     ]
     text = summary(records, {})
-    for reason in ("not importable (x)", "pytest is not installed", "time cap: predicted 30.0 s", "RuntimeError: boom"):
+    for reason in ("not importable (x)", "pytest is not installed", "time cap: predicted 30.0 s", "RuntimeError: boom",
+                   "no kernel (y)", "no deepspeed (z)", "GiB added (w)"):
         assert reason in text
 
 
@@ -126,6 +246,11 @@ def test_the_gpu_configurations_fit_their_time_and_shapes():
                     layout, cu, window = gpu_efficiency.problem(schedule, p, n * p, cfg)
                     check_layout(layout, p, n * p, cu_seqlens=cu)
                     assert window is None or window < n
+    for cfg in (gpu_step.FULL, gpu_step.QUICK):
+        assert cfg.shape == llama_3_8b(2) and cfg.profile_len in cfg.seq_lens
+        assert cfg.modes[:3] == ("ring_sp", "untiled", "ALST")
+        assert min(cfg.seq_lens) == 16384 and all(n % 8192 == 0 for n in cfg.seq_lens)  # the issue's 16K-128K
+    assert max(gpu_step.FULL.seq_lens) == 131072 and gpu_efficiency.FULL.rate_tokens == 32768
     for cfg in (gpu_memory.FULL, gpu_memory.QUICK):
         assert cfg.shape == gpu_memory.LLAMA_8B_2_LAYERS and len(cfg.seq_lens) == 3
         assert all(n % cfg.unit == 0 and n % cfg.tile_tokens == 0 for n in cfg.seq_lens)
@@ -151,6 +276,7 @@ def test_the_seam_on_the_cpu():
     assert seam.time(lambda: sum(range(1000))) > 0
     median, times = seam.median_time(lambda: None, repeats=3, warmup=1)
     assert len(times) == 3 and median >= 0
+    assert seam.sdpa_reference()[0] == torch.nn.attention.SDPBackend.FLASH_ATTENTION  # the CPU's stand-in
 
 
 def test_search_finds_the_threshold_and_respects_the_time_cap():

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ring_sp.integrations.versions import require_supported
 from ring_sp.kernels import get_kernel, unavailable_reason
 
 from .seam import Seam
@@ -86,6 +87,22 @@ def missing(sections: list[str]) -> dict[str, str]:
         reason = _import_error("deepspeed.runtime.sequence_parallel.ulysses_sp")
         if reason:
             found["memory_longest ALST"] = f"DeepSpeed's ALST modules: {reason}"
+    if "step" in sections:
+        found.update(step_missing())
+    return found
+
+
+def step_missing() -> dict[str, str]:
+    """What the ``step`` section cannot run: every mode without a supported transformers
+    (``ring_sp.integrations.versions``), ``ALST`` without DeepSpeed's modules."""
+    found = {}
+    try:
+        require_supported("transformers", "the step section (ring_sp.integrations.transformers)")
+    except (RuntimeError, importlib.metadata.PackageNotFoundError) as exc:
+        found["step"] = f"{type(exc).__name__}: {exc}"
+    reason = _import_error("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    if reason:
+        found["step ALST"] = f"DeepSpeed's ALST modules: {reason}"
     return found
 
 

@@ -161,10 +161,17 @@ def test_cli_errors_and_whole_step(capsys) -> None:
     assert "--max-seq-len needs --model" in capsys.readouterr().err
     assert plan_cli.main(["--world-size", "8", "--max-seq-len"]) == 2
     assert "--heads, --hidden, --layers required" in capsys.readouterr().err
-    assert plan_cli.main(["--model", "llama-3-8b", "--world-size", "8", "--seq-len", "1048576", "--zero-stage", "3",
-                          "--tiled", "--checkpointing"]) == 0
+    # checkpoints on the device, and every layer's recompute entry (out + lse, ring_sp.recompute) beside them:
+    # 32 + 31 GiB; offloaded, both are gone from the device (enable_long_sequence turns the reuse off)
+    args = ["--model", "llama-3-8b", "--world-size", "8", "--seq-len", "1048576", "--zero-stage", "3", "--tiled",
+            "--checkpointing"]
+    assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "whole step at 1048576 tokens (131072 per GPU)" in out and "fits in 80 GiB" in out
+    assert "whole step at 1048576 tokens (131072 per GPU)" in out and "does NOT fit in 80 GiB" in out
+    assert "checkpointed activations 63.48" in out
+    assert plan_cli.main(args + ["--offload-checkpoints"]) == 0
+    out = capsys.readouterr().out
+    assert "whole step at 1048576 tokens (131072 per GPU)" in out and ", fits in 80 GiB" in out
 
 
 # --- issue 30: lean layers, head chunks, ALST's own pieces, the host bound, the int32 flag ---------------------------
@@ -200,7 +207,8 @@ def test_head_chunks_shrink_the_attention_backward_by_the_chunk_share() -> None:
     from ring_sp.plan.layer_memory import ring_sp_attention
 
     n = 1000
-    at = lambda chunks: ring_sp_attention(LLAMA_8B, sm.Training(head_chunks=chunks), n=n, ulysses=1, ring=8)  # noqa: E731
+    at = lambda chunks: ring_sp_attention(LLAMA_8B, sm.Training(head_chunks=chunks, attention_kernel="cpu"),  # noqa: E731
+                                          n=n, ulysses=1, ring=8)  # the flash kernel's workspace: test_gpu_memory_model
     assert at(None) == (n * 20608, n * 69632)
     for chunks in (2, 4, 8):
         assert at(chunks) == (n * 20608, n * (12288 + 94208 // chunks))

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ring_sp.integrations.versions import in_supported_range, requirement
 from ring_sp.kernels import get_kernel, unavailable_reason
 
 from .seam import Seam
@@ -44,9 +45,16 @@ def missing(sections: list[str]) -> dict[str, str]:
     if "kernel_tests" in sections and importlib.util.find_spec("pytest") is None:
         found["kernel_tests"] = "pytest is not installed"
     if "memory" in sections:
+        version = installed_version("transformers")
+        if version is None or not in_supported_range("transformers", version):
+            found["memory"] = (f"transformers {version or 'is not installed'}: ring_sp's register needs "
+                               f"{requirement('transformers')}; bring its wheel with --wheels (docs/benchmarks.md)")
         reason = _import_error("deepspeed.runtime.sequence_parallel.ulysses_sp")
         if reason:
-            found["memory_longest ALST"] = f"DeepSpeed's ALST modules: {reason}"
+            found["memory ALST"] = f"DeepSpeed's ALST modules: {reason}"
+        if importlib.util.find_spec("liger_kernel") is None:
+            found["memory ALST's Liger kernels"] = ("liger-kernel is not installed: on a GPU, ALST runs with "
+                                                    "transformers' norms and RoPE and DeepSpeed's tiled loss instead")
     return found
 
 

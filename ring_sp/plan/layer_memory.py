@@ -106,6 +106,36 @@ def o_proj_input_bytes(model: Transformer, training: Training, *, n: int, ulysse
     return dtype_bytes(training.dtype)[0] * n * model.q_width if ulysses > 1 else 0
 
 
+def _rounded(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def kernel_workspace(model: Transformer, training: Training, *, n: int, ulysses: int) -> float:
+    """Bytes ring_sp's attention kernel holds in ONE backward call over the rank's largest block
+    (``n x U`` tokens of ``heads / U`` q heads against as many KV rows) beyond the fp32 dq, dk,
+    dv of that block that :func:`attention_memory` counts; 0 for ``attention_kernel="cpu"``
+    (its gradients are fp32, its scratch is per thread).
+
+    flash-attention 2's backward (``mha_bwd``: Dao-AILab/flash-attention ``csrc/flash_attn/
+    flash_api.cpp``, and PyTorch's port ``aten/src/ATen/native/transformers/cuda/flash_attn/
+    flash_api.cpp``, which ring_sp's ``torch`` backend calls on CUDA) allocates an fp32 dq
+    accumulator ``[b, s_q rounded up to 128, h, d rounded up to 32]``, ``softmax_d`` fp32
+    ``[b, h, s_q rounded]`` and, for GQA, dk and dv expanded to the q heads ``[b, s_k, h, d]``
+    in the input dtype (summed into dk, dv at the end); dq, dk, dv come back in the input dtype.
+    The GPU run showed the term: without it ring_sp's one-rank model was 1.21x low wherever a
+    layer's backward, not the loss, was the step's peak (../shared/gpu/README.md, issue 40)."""
+    if training.attention_kernel == "cpu":
+        return 0.0
+    e, acc = dtype_bytes(training.dtype)
+    rows, heads, d = n * ulysses, model.heads // ulysses, model.head_dim
+    kv_heads = kv_heads_per_rank(model.kv_heads, ulysses)
+    dq_accum = FP32 * _rounded(rows, 128) * heads * _rounded(d, 32)
+    softmax_d = FP32 * heads * _rounded(rows, 128)
+    expanded = 2 * e * rows * heads * d if heads > kv_heads else 0
+    gradients = (e - acc) * rows * d * (heads + 2 * kv_heads)  # in the input dtype, not fp32
+    return dq_accum + softmax_d + expanded + gradients
+
+
 def ring_sp_attention(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int
                       ) -> tuple[float, float]:
     """(kept, backward working) bytes of ring_sp's attention on this rank, q / k / v in sequence
@@ -123,16 +153,26 @@ def ring_sp_attention(model: Transformer, training: Training, *, n: int, ulysses
                            kv_heads=model.kv_heads, head_dim=model.head_dim, dtype=training.dtype)
     chunks = head_chunk_count(model, training, ulysses, n=n, ring=ring)
     o_proj_input = o_proj_input_bytes(model, training, n=n, ulysses=ulysses)
+    workspace = kernel_workspace(model, training, n=n, ulysses=ulysses)
     if chunks == 1:
         # without Ulysses the ring keeps q, k, v (rotation keeps no input); with it the
         # all-to-all keeps nothing and the head-layout copies are in mem.kept
-        return (e * n * (q + 2 * kv) if ulysses == 1 else o_proj_input) + mem.kept, mem.working
+        return (e * n * (q + 2 * kv) if ulysses == 1 else o_proj_input) + mem.kept, mem.working + workspace
     m = kv_heads_per_rank(model.kv_heads, ulysses)
     share = math.ceil(m / chunks) / m  # the largest chunk's share of the rank's heads
     kv_shard = 2 * n * ulysses * m * model.head_dim  # packed [k; v] in head layout, all chunks
     kept = e * n * (2 * q + 2 * kv) + n * model.heads * acc + o_proj_input
-    per_chunk = mem.working + e * (3 * n * q + (kv_shard if ulysses > 1 else 0))
+    per_chunk = mem.working + workspace + e * (3 * n * q + (kv_shard if ulysses > 1 else 0))
     return kept, e * n * (q + 2 * kv) + share * per_chunk
+
+
+def recompute_entry(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int) -> float:
+    """Bytes one checkpointed ring_sp attention keeps on the device from its first run to its
+    backward (:attr:`Training.keeps_recompute_entries`): its out and lse, and the fingerprint; 0 if none."""
+    if not training.keeps_recompute_entries:
+        return 0.0
+    return attention_memory(ulysses=ulysses, ring=ring, batch=1, local_len=n, heads=model.heads,
+                            kv_heads=model.kv_heads, head_dim=model.head_dim, dtype=training.dtype).kept_checkpointed
 
 
 def attention(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int) -> tuple[float, float]:
@@ -239,6 +279,7 @@ def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulys
     return 2 * n * e * h + recompute + max(mlp, att)
 
 
-__all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "attention", "head_chunk_count", "layer_backward_phase",
-           "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_kept", "mlp_renormalises", "mlp_tile",
-           "norm_kept", "o_proj_input_bytes", "pieces", "ring_sp_attention"]
+__all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "attention", "head_chunk_count", "kernel_workspace",
+           "layer_backward_phase", "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_kept",
+           "mlp_renormalises", "mlp_tile", "norm_kept", "o_proj_input_bytes", "pieces", "recompute_entry",
+           "ring_sp_attention"]

@@ -5,11 +5,11 @@
     python -m benchmarks.gpu_check --dry --out /tmp/gpu_check         # CPU, tiny sizes: every code path (CI)
 
 Sections, in order, each under its own time cap: ``kernel_tests`` (tests/test_kernels_cuda.py),
-``memory`` (the whole-step memory model against the allocator, the longest N for ring_sp and
-ALST) and ``efficiency`` (the ring schedule's blocks against one fused kernel). Writes into
+``memory`` (the whole-step memory model against the allocator on transformers' Llama through
+ring_sp's and ALST's recipes, each one's longest N on the card) and ``efficiency`` (the ring schedule's blocks against one fused kernel). Writes into
 ``--out`` (default ``$OUT``): ``gpu_check.jsonl`` (one JSON record per line, each written as
 it is measured), ``gpu_check.md`` (the card and the tables, rewritten after each section)
-and ``kernel_tests.log``. What a section cannot run (pytest or DeepSpeed missing) is named
+and ``kernel_tests.log``. What a section cannot run (pytest, DeepSpeed, Liger missing) is named
 before anything runs and recorded as skipped; it exits 1 only if a section raised.
 """
 

@@ -110,30 +110,55 @@ def _rounded(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def kernel_workspace(model: Transformer, training: Training, *, n: int, ulysses: int) -> float:
-    """Bytes ring_sp's attention kernel holds in ONE backward call over the rank's largest block
-    (``n x U`` tokens of ``heads / U`` q heads against as many KV rows) beyond the fp32 dq, dk,
-    dv of that block that :func:`attention_memory` counts; 0 for ``attention_kernel="cpu"``
-    (its gradients are fp32, its scratch is per thread).
+def kernel_backward(model: Transformer, training: Training, *, rows: int, heads: int, kv_heads: int) -> float:
+    """Bytes ONE backward call of the attention kernel allocates over ``rows`` queries and keys of
+    ``heads`` q / ``kv_heads`` KV heads: its dq, dk, dv and its own workspace.
 
-    flash-attention 2's backward (``mha_bwd``: Dao-AILab/flash-attention ``csrc/flash_attn/
-    flash_api.cpp``, and PyTorch's port ``aten/src/ATen/native/transformers/cuda/flash_attn/
-    flash_api.cpp``, which ring_sp's ``torch`` backend calls on CUDA) allocates an fp32 dq
+    ``attention_kernel="cpu"`` (torch's CPU flash op): the gradients, fp32 for bf16 / fp16 inputs
+    (it computes in fp32), and per-thread scratch only. ``"flash"``: flash-attention 2's backward
+    (``mha_bwd``: Dao-AILab/flash-attention ``csrc/flash_attn/flash_api.cpp``, and PyTorch's port
+    ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``, which ring_sp's ``torch``
+    backend and SDPA's flash backend call on CUDA): dq, dk, dv in the input dtype, an fp32 dq
     accumulator ``[b, s_q rounded up to 128, h, d rounded up to 32]``, ``softmax_d`` fp32
-    ``[b, h, s_q rounded]`` and, for GQA, dk and dv expanded to the q heads ``[b, s_k, h, d]``
-    in the input dtype (summed into dk, dv at the end); dq, dk, dv come back in the input dtype.
-    The GPU run showed the term: without it ring_sp's one-rank model was 1.21x low wherever a
-    layer's backward, not the loss, was the step's peak (../shared/gpu/README.md, issue 40)."""
-    if training.attention_kernel == "cpu":
-        return 0.0
+    ``[b, h, s_q rounded]`` and, for GQA, dk and dv expanded to the q heads ``[b, s_k, h, d]`` in
+    the input dtype (summed into dk, dv at the end)."""
     e, acc = dtype_bytes(training.dtype)
-    rows, heads, d = n * ulysses, model.heads // ulysses, model.head_dim
-    kv_heads = kv_heads_per_rank(model.kv_heads, ulysses)
+    d = model.head_dim
+    if training.attention_kernel == "cpu":
+        return acc * rows * d * (heads + 2 * kv_heads)
+    gradients = e * rows * d * (heads + 2 * kv_heads)
     dq_accum = FP32 * _rounded(rows, 128) * heads * _rounded(d, 32)
     softmax_d = FP32 * heads * _rounded(rows, 128)
     expanded = 2 * e * rows * heads * d if heads > kv_heads else 0
-    gradients = (e - acc) * rows * d * (heads + 2 * kv_heads)  # in the input dtype, not fp32
-    return dq_accum + softmax_d + expanded + gradients
+    return gradients + dq_accum + softmax_d + expanded
+
+
+def kernel_workspace(model: Transformer, training: Training, *, n: int, ulysses: int) -> float:
+    """Bytes ring_sp's attention kernel holds in ONE backward call over the rank's largest block
+    (``n x U`` tokens of ``heads / U`` q heads against as many KV rows) beyond the fp32 dq, dk,
+    dv of that block that :func:`attention_memory` counts (:func:`kernel_backward`); 0 for the
+    CPU kernel. The GPU run showed the term: without it ring_sp's one-rank model was 1.21x low
+    wherever a layer's backward, not the loss, was the step's peak (issue 40)."""
+    e, acc = dtype_bytes(training.dtype)
+    rows, heads = n * ulysses, model.heads // ulysses
+    kv_heads = kv_heads_per_rank(model.kv_heads, ulysses)
+    counted = acc * rows * model.head_dim * (heads + 2 * kv_heads)
+    return kernel_backward(model, training, rows=rows, heads=heads, kv_heads=kv_heads) - counted
+
+
+def alst_one_gpu_attention(model: Transformer, training: Training, *, n: int) -> tuple[float, float]:
+    """(kept, backward working) bytes of one layer's attention in ALST's one-GPU recipe
+    (``sequence_parallel_size: 1``: transformers' attention, no all-to-all): the attention keeps
+    q and k after RoPE, v, its output and lse (RoPE, transformers' or Liger's, keeps only cos /
+    sin); o_proj's input is that output itself where the kernel writes it in sequence layout
+    (flash-attention 2), a contiguous copy otherwise (the CPU op). The backward holds dout and one
+    kernel call (:func:`kernel_backward`)."""
+    e, _ = dtype_bytes(training.dtype)
+    q, kv = n * model.q_width, n * model.kv_width
+    out_copy = e * q if training.attention_kernel == "cpu" else 0
+    kept = e * (q + 2 * kv + q) + out_copy + FP32 * n * model.heads
+    working = e * q + kernel_backward(model, training, rows=n, heads=model.heads, kv_heads=model.kv_heads)
+    return kept, working
 
 
 def ring_sp_attention(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int
@@ -180,9 +205,9 @@ def attention(model: Transformer, training: Training, *, n: int, ulysses: int, r
     if training.library == "alst":
         if ring != 1:
             raise PlanError("ALST has no ring: its sequence-parallel degree is the Ulysses size (ring=1)")
-        kept, working = alst_attention_memory(model, n=n, ulysses=ulysses, dtype=training.dtype)
-        e, _ = dtype_bytes(training.dtype)
-        return kept + (e * n * (model.q_width + 2 * model.kv_width) if ulysses == 1 else 0), working
+        if ulysses == 1:
+            return alst_one_gpu_attention(model, training, n=n)
+        return alst_attention_memory(model, n=n, ulysses=ulysses, dtype=training.dtype)
     return ring_sp_attention(model, training, n=n, ulysses=ulysses, ring=ring)
 
 
@@ -279,7 +304,7 @@ def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulys
     return 2 * n * e * h + recompute + max(mlp, att)
 
 
-__all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "attention", "head_chunk_count", "kernel_workspace",
+__all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "alst_one_gpu_attention", "attention", "head_chunk_count", "kernel_backward", "kernel_workspace",
            "layer_backward_phase", "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_kept",
            "mlp_renormalises", "mlp_tile", "norm_kept", "o_proj_input_bytes", "pieces", "recompute_entry",
            "ring_sp_attention"]

@@ -4,8 +4,9 @@
   shape (:func:`llama_config`; Llama-3-8B's with a few layers on the GPU, a tiny one in the dry
   run), random weights from a config (nothing is downloaded), in the seam's dtype, every
   gradient allocated before the step (steady state: zeros, as after any first step).
-* :class:`Step`: one library's training step on that model, ``step.loss(ids)`` the global mean
-  next-token loss of ``ids`` ``[1, n]`` ready for ``backward()``; ``step.pieces`` names what ran.
+* :class:`Step`: one library's training step on that model, ``step.train(ids)`` one forward +
+  backward of the mean next-token loss of ``ids`` ``[1, n]`` inside what the library patches;
+  ``step.pieces`` names what ran.
 * :func:`ring_sp_step`: README's longest-sequence recipe as a user writes it: ``register`` on a
   one-rank topology, ``attn_implementation="ring_sp"``, activation checkpointing on, then
   ``enable_long_sequence(model, offload_checkpoints=True)`` with its defaults (tiled MLP and
@@ -84,9 +85,10 @@ def one_rank_topology() -> ring_sp.SequenceParallelTopology:
 
 @dataclass
 class Step:
-    """One library's step on one model: ``loss(ids)`` (``ids`` ``[1, n]``; the mean next-token
-    loss, 0-d fp32, ready for ``backward()``), inside ``context()`` (what the library patches
-    only while its step runs); ``pieces`` names what ran, for the records."""
+    """One library's step on one model: ``loss_fn(ids)`` (``ids`` ``[1, n]``; the mean next-token
+    loss, 0-d fp32), run with its backward by :meth:`train` inside ``context()`` (what the library
+    patches only while its step runs: activation checkpointing runs its forward again in the
+    backward, which must see the same kernels); ``pieces`` names what ran, for the records."""
 
     name: str
     model: nn.Module
@@ -94,9 +96,12 @@ class Step:
     pieces: dict[str, str]
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
 
-    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+    def train(self, ids: torch.Tensor) -> float:
+        """One forward + backward on ``ids``; the loss's value (read after the backward)."""
         with self.context():
-            return self.loss_fn(ids)
+            loss = self.loss_fn(ids)
+            loss.backward()
+        return loss.item()
 
     def resident_bytes(self) -> int:
         """Parameters and their gradients, as allocated."""
@@ -138,12 +143,12 @@ def ring_sp_step(shape: Transformer, device: torch.device, dtype: torch.dtype,
         raise ValueError("RingSpRecipe(tiled=False, offload=True): offloaded checkpoints come with "
                          "enable_long_sequence; use checkpointing=True, offload=False for the untiled baseline")
 
-    def loss(ids: torch.Tensor) -> torch.Tensor:
+    def loss(ids: torch.Tensor) -> torch.Tensor:  # one rank: the plain mean (no topology, no reduction)
         shard = rsp_hf.shard_batch({"input_ids": ids}, topology)
         if recipe.tiled:
-            return rsp_hf.model_loss(model, shard, topology=topology)
+            return rsp_hf.model_loss(model, shard)
         logits = model(**{k: v for k, v in shard.items() if k != "shift_labels"}, use_cache=False).logits
-        return rsp_hf.causal_lm_loss(logits, shard["shift_labels"], topology=topology, gradients_averaged_over_sp=False)
+        return rsp_hf.causal_lm_loss(logits, shard["shift_labels"])
 
     config = rsp_hf.long_sequence_config(model)
     pieces = {"attention": "ring_sp (torch backend: aten flash attention on CUDA)",

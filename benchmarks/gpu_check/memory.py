@@ -130,9 +130,7 @@ class Runner:
         loss: list[float] = []
 
         def run() -> None:
-            value = step.loss(ids)
-            value.backward()
-            loss.append(value.item())
+            loss.append(step.train(ids))
 
         failed = None
         try:  # the CPU stand-in holds the step to what is free (CUDA: the allocator does)

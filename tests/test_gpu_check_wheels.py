@@ -23,7 +23,8 @@ SUPPORTED = {"fakeframework": ("5.18.0", "5.25")}
 def _write_wheel(folder: Path, name: str, version: str, answer: int, *requires: str) -> Path:
     info = f"{name}-{version}.dist-info"
     path = folder / f"{name}-{version}-py3-none-any.whl"
-    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
     with zipfile.ZipFile(path, "w") as whl:
         whl.writestr(f"{name}/__init__.py", f"ANSWER = {answer}\n")
         whl.writestr(f"{info}/METADATA", meta)
@@ -43,14 +44,17 @@ def _installed(versions: dict[str, str]):
 def test_an_out_of_range_framework_and_the_hub_it_needs_are_replaced(tmp_path) -> None:
     """The GPU image's case: framework 5.17 installed (supported from 5.18), the carried 5.18
     needs fakehub >= 1.31 where 1.20 is installed; a requirement nothing meets is named."""
-    wheels = [_wheel(tmp_path, "fakeframework", "5.18.0", "fakehub<3.0,>=1.31.0", "fakedep>=2", "fakeos; sys_platform == 'nope'"),
-              _wheel(tmp_path, "fakehub", "1.31.0"), _wheel(tmp_path, "fakeaccel", "1.15.0"), _wheel(tmp_path, "fakemissing", "0.1")]
+    wheels = [_wheel(tmp_path, "fakeframework", "5.18.0", "fakehub<3.0,>=1.31.0", "fakedep>=2",
+                     "fakeos; sys_platform == 'nope'"),
+              _wheel(tmp_path, "fakehub", "1.31.0"), _wheel(tmp_path, "fakeaccel", "1.15.0"),
+              _wheel(tmp_path, "fakemissing", "0.1")]
     here = {"fakeframework": "5.17.0", "fakehub": "1.20.0", "fakeaccel": "1.15.0", "fakedep": "1.0"}
     plan = plan_wheels(wheels, _installed(here), SUPPORTED)
     assert set(plan.install) == {"fakeframework", "fakehub", "fakemissing"}
-    assert "fakeframework 5.17.0 is outside ring_sp's supported fakeframework>=5.18.0,<5.25" in plan.install["fakeframework"][1]
-    assert "fakehub 1.20.0 does not meet fakeframework 5.18.0's requirement fakehub<3.0,>=1.31.0" in plan.install["fakehub"][1]
-    assert plan.install["fakemissing"][1] == "missing here"
+    why = {name: reason for name, (_, reason) in plan.install.items()}
+    assert "fakeframework 5.17.0 is outside ring_sp's supported fakeframework>=5.18.0,<5.25" in why["fakeframework"]
+    assert "fakehub 1.20.0 does not meet fakeframework 5.18.0's requirement fakehub<3.0,>=1.31.0" in why["fakehub"]
+    assert why["fakemissing"] == "missing here"
     assert plan.kept == {"fakeaccel": "1.15.0"}
     assert plan.unmet == ["fakeframework 5.18.0 needs fakedep>=2; here 1.0 (no wheel of the folder meets it)"]
 

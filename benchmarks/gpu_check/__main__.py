@@ -118,7 +118,8 @@ def targets(records: list[Record]) -> list[list[str]]:
 def summary(records: list[Record], elapsed: dict[str, Any]) -> str:
     cards = [r for r in records if r["section"] == "card"]
     lines = ["# gpu_check", ""] + (card_markdown(cards[0], elapsed) if cards else []) + [""]
-    parts = (("CUDA kernel tests", kernel_tests.markdown), ("Step memory: model against the allocator", memory_report.markdown),
+    parts = (("CUDA kernel tests", kernel_tests.markdown),
+             ("Step memory: model against the allocator", memory_report.markdown),
              ("Schedule efficiency", efficiency.markdown))
     for title, render in parts:
         body = render(records)

@@ -80,7 +80,7 @@ def probe_longest(runner: Any, line: list[Record], *, shape: Transformer, unit: 
     holds (the 2-layer stack's parameters and gradients, plus its extra device checkpoints)."""
     runner.hold(ballast(0))
     free = runner.free_bytes()
-    modelled, _ = max_seq_len(shape, runner.train, free + resident_model(shape, runner.train), multiple=unit)
+    modelled, _ = max_seq_len(shape, runner.training, free + resident_model(shape, runner.training), multiple=unit)
     record: Record = {"section": "memory_longest", "library": runner.library, "model": shape.name, "unit": unit,
                       "free_bytes": free, "model_longest": modelled, "line_lens": [r["seq_len"] for r in line],
                       "probes": [], "stopped": None}

@@ -59,9 +59,9 @@ class MemoryConfig:
     dry_capacity: int = 2**30  # the CPU stand-in's memory (dry mode)
 
     def line_shape(self) -> Transformer:
+        layers = f"{self.line_layers} layer" + ("s" if self.line_layers > 1 else "")
         return dataclasses.replace(self.shape, layers=self.line_layers,
-                                   name=self.shape.name.replace(f"{self.shape.layers} layers", f"{self.line_layers} layer"
-                                                                + ("s" if self.line_layers > 1 else "")))
+                                   name=self.shape.name.replace(f"{self.shape.layers} layers", layers))
 
 
 FULL = MemoryConfig()
@@ -112,7 +112,7 @@ class Runner:
         self.step_: Step | None = build(library, seam, shape)
         self.resident = self.step_.resident_bytes()
         self.ballast: torch.Tensor | None = None
-        self.train = training(library, seam, self.step_)
+        self.training = training(library, seam, self.step_)
 
     def hold(self, resident: int) -> None:
         """Hold a ballast so that parameters, gradients and ballast take ``resident`` bytes (a
@@ -171,7 +171,7 @@ def measure(runner: Runner, seq_lens: tuple[int, ...], deadline: Deadline, log: 
     the model says it would not fit in ``fits_share`` of the free memory, or the time cap would pass)."""
     seam, key = runner.seam, f"{runner.library} {runner.shape.layers}"
     for n in seq_lens:
-        added, resident = model_added(runner.shape, runner.train, n, seam.device_memory())
+        added, resident = model_added(runner.shape, runner.training, n, seam.device_memory())
         record: Record = {"section": "memory", "library": runner.library, "layers": runner.shape.layers,
                           "seq_len": n, "model": runner.shape.name, "model_added_bytes": added,
                           "model_resident_bytes": resident, "measured_resident_bytes": runner.resident,
@@ -227,7 +227,7 @@ def _memory(seam: Seam, cfg: MemoryConfig, deadline: Deadline, log: Callable[[st
         line = Runner(seam, library, cfg.line_shape(), fits_share=cfg.fits_share)
         line.hold(full_resident)
         yield from measure(line, cfg.line_lens, deadline, log, points)
-        yield layers_record(library, cfg, seam, line.train, points)
+        yield layers_record(library, cfg, seam, line.training, points)
         lines[library] = full_resident
         line.close()
     for i, library in enumerate(lines):
@@ -244,7 +244,7 @@ def longest(seam: Seam, cfg: MemoryConfig, library: str, resident: int, line: li
     runner = Runner(seam, library, cfg.line_shape(), fits_share=cfg.fits_share)
 
     def ballast(n: int) -> int:
-        extra = layer_delta(cfg.shape, runner.train, n, seam.device_memory(), cfg.line_layers) if n else 0
+        extra = layer_delta(cfg.shape, runner.training, n, seam.device_memory(), cfg.line_layers) if n else 0
         return resident + round(extra)
 
     try:

@@ -60,9 +60,9 @@ def markdown(records: list[Record]) -> list[str]:
         out.append(f"* {r['library']} (`{r['name']}`): {what}.")
     steps = [r for r in records if r["section"] == "memory" and "library" in r]
     if steps:
-        out += ["" if out else None, f"{steps[0]['model'].split(',')[0]} (`LlamaForCausalLM` from a config), one forward "
-                "+ backward per row, gradients allocated before it: what the step adds above parameters, gradients "
-                "and the ballast (MiB), modelled (`ring_sp.plan.step_memory`) and measured (`max_memory_allocated`); "
+        out += ["" if out else None, f"{steps[0]['model'].split(',')[0]} (`LlamaForCausalLM` from a config), one "
+                "forward + backward per row, gradients allocated before it: what the step adds above parameters, "
+                "gradients and the ballast (MiB), modelled (`ring_sp.plan.step_memory`) and measured (`max_memory_allocated`); "
                 f"the absolute peak and `max_memory_reserved` beside it. Target: measured / model within "
                 f"{MODEL_TARGET:.0%}.", ""]
         out += _steps(steps)

@@ -304,7 +304,8 @@ def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulys
     return 2 * n * e * h + recompute + max(mlp, att)
 
 
-__all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "alst_one_gpu_attention", "attention", "head_chunk_count", "kernel_backward", "kernel_workspace",
+__all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "alst_one_gpu_attention", "attention", "head_chunk_count",
+           "kernel_backward", "kernel_workspace",
            "layer_backward_phase", "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_kept",
            "mlp_renormalises", "mlp_tile", "norm_kept", "o_proj_input_bytes", "pieces", "recompute_entry",
            "ring_sp_attention"]

@@ -114,7 +114,8 @@ class Training:
             raise PlanError(f"prefetch-checkpoints={prefetch} is ring_sp's choice; ALST (library='alst') always "
                             f"brings one checkpoint back at a time: drop it or use library='ring_sp'")
         if self.reuse_on_recompute is not None and not isinstance(self.reuse_on_recompute, bool):
-            raise PlanError(f"reuse-on-recompute={self.reuse_on_recompute!r} must be True, False or None (the runtime's)")
+            raise PlanError(f"reuse-on-recompute={self.reuse_on_recompute!r} must be True, False or None "
+                            f"(the runtime's)")
         if self.pinned_rounding is not None and not isinstance(self.pinned_rounding, bool):
             raise PlanError(f"pinned-rounding={self.pinned_rounding!r} must be True, False or None (the library's)")
 

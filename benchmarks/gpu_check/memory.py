@@ -43,7 +43,6 @@ from .seam import Deadline, Seam
 
 Record = dict[str, Any]
 LIBRARIES = ("ring_sp", "ALST")
-TARGET = 0.10
 
 
 @dataclass(frozen=True)

@@ -294,7 +294,10 @@ def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulys
     e, _ = dtype_bytes(training.dtype)
     h = model.hidden
     tile = mlp_tile(model, training, n)
-    acts = {"hf": 4, "fused": 3, "lean": 4}[pieces(training)] * e * model.ffn  # lean recomputes act and product
+    # lean recomputes act and product; ALST tiles transformers' MLP (ArcticTraining turns Liger's SwiGLU off under
+    # TiledMLP: arctic_training/model/liger_factory.py)
+    mlp_pieces = "hf" if training.library == "alst" and training.tiled_mlp else pieces(training)
+    acts = {"hf": 4, "fused": 3, "lean": 4}[mlp_pieces] * e * model.ffn
     mlp = 2 * e * model.ffn * tile + ((acts * tile + 2 * n * e * h) if training.tiled_mlp else 0)
     if mlp_renormalises(training):  # the tile's norm again, under autograd: its fp32 rows and normalised rows
         mlp += 2 * FP32 * h * tile

@@ -101,6 +101,10 @@ class Seam:
         total = torch.cuda.get_device_properties(self.device).total_memory if self.is_cuda else self.dry_capacity
         return total if self._budget is None else min(total, self._budget)
 
+    def device_memory(self) -> int | None:
+        """The card's total memory whatever the budget (what ring_sp's offload prefetch rule reads), None on the CPU."""
+        return torch.cuda.get_device_properties(self.device).total_memory if self.is_cuda else None
+
     @contextmanager
     def budget(self, limit_bytes: int | None) -> Iterator[None]:
         """Hold the process to ``limit_bytes`` (None: no limit) inside the block: CUDA's

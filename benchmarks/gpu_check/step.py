@@ -31,8 +31,8 @@ from ring_sp.plan.step_memory import Transformer
 
 from ..tables import table
 from .hf_llama import TINY, Step, build_steps, llama_3_8b, tokens
-from .memory import predict_time
-from .preflight import step_missing
+from .longest import predict_time
+from .preflight import transformers_unsupported
 from .seam import Deadline, Seam
 
 Record = dict[str, Any]
@@ -144,9 +144,9 @@ def step(seam: Seam, cfg: StepConfig, deadline: Deadline, log: Callable[[str], N
     shape = cfg.shape
     base: Record = {"section": "step", "model": shape.name, "layers": shape.layers, "hidden": shape.hidden,
                     "vocab": shape.vocab, "dtype": str(seam.dtype).removeprefix("torch.")}
-    unsupported = step_missing().get("step")
+    unsupported = transformers_unsupported()
     if unsupported:
-        yield {**base, "mode": "every mode", "skipped": f"{unsupported} (carry a supported wheel: docs/benchmarks.md)"}
+        yield {**base, "mode": "every mode", "skipped": unsupported}
         return
     log(f"step: building {', '.join(cfg.modes)} ({shape.name}, one set of parameters)")
     steps, missing = build_steps(cfg.modes, shape, seam.device, seam.dtype)

@@ -29,6 +29,10 @@ as the source does it:
   kernel the recipe's ``flash_attention_2`` runs (flash-attn itself is not on the GPU image),
   GQA without repeating KV heads (``enable_gqa``).
 
+:class:`AlstRecipe`'s options turn pieces off: the ``step`` section times ALST's modules as
+issue 38 did (``AlstRecipe(liger=False, sdpa_backend=None, offload_checkpoints=False)``: no
+Liger, SDPA's own choice of kernel, checkpoints on the device).
+
 DeepSpeed and Liger are imported by :func:`alst_step` (the GPU machine may lack them: the
 caller records the ALST rows as skipped with the import error).
 """
@@ -58,9 +62,15 @@ ALST_LOSS_TILE_BYTES = 2**30  # ArcticTraining's non-Liger loss: shards of about
 class AlstRecipe:
     """``liger``: Liger's RMSNorm, RoPE and fused linear cross entropy (True), or transformers'
     modules and DeepSpeed's ``TiledFusedLogitsLoss`` (False); None: Liger wherever it can run
-    (CUDA, liger-kernel importable), the reason in ``Step.pieces`` where not."""
+    (CUDA, liger-kernel importable), the reason in ``Step.pieces`` where not.
+    ``sdpa_backend``: the one SDPA backend the attention may run (flash-attention 2, as the
+    recipe's ``flash_attention_2``), or None: torch's own choice (cuDNN's on an H200: the modules
+    issue 38 timed). ``offload_checkpoints``: each layer's checkpointed input in host memory (the
+    recipe), or on the device."""
 
     liger: bool | None = None
+    sdpa_backend: SDPBackend | None = SDPBackend.FLASH_ATTENTION
+    offload_checkpoints: bool = True
 
 
 def liger_unavailable(device: torch.device) -> str | None:
@@ -127,12 +137,13 @@ def alst_step(shape: Transformer, device: torch.device, dtype: torch.dtype, reci
     for layer in model.model.layers:
         layer.mlp.forward = tiled_mlp_forward(TiledMLP).__get__(layer.mlp)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    for layer in model.model.layers:
-        layer._gradient_checkpointing_func = offloaded_checkpoint
+    if recipe.offload_checkpoints:
+        for layer in model.model.layers:
+            layer._gradient_checkpointing_func = offloaded_checkpoint
 
     @contextlib.contextmanager
     def context() -> Iterator[None]:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), (
+        with (sdpa_kernel(recipe.sdpa_backend) if recipe.sdpa_backend is not None else contextlib.nullcontext()), (
                 patched(modeling_llama, "apply_rotary_pos_emb", rope) if liger else contextlib.nullcontext()):
             yield
 
@@ -155,8 +166,11 @@ def alst_step(shape: Transformer, device: torch.device, dtype: torch.dtype, reci
         return total / good.clamp(min=1)
 
     without = f"transformers' (Liger off: {reason or 'liger=False'})"
-    pieces = {"attention": "sdpa, flash backend (flash-attention 2)",
-              "checkpointing": "every layer, its input in pageable host memory",
+    attention = {None: "sdpa, torch's own choice of kernel", SDPBackend.FLASH_ATTENTION: "sdpa, flash backend "
+                 "(flash-attention 2)"}.get(recipe.sdpa_backend, f"sdpa, {recipe.sdpa_backend}")
+    pieces = {"attention": attention,
+              "checkpointing": "every layer, its input in pageable host memory" if recipe.offload_checkpoints
+              else "every layer, on the device",
               "mlp": "DeepSpeed TiledMLP, ceil(n / hidden) tiles",
               "norm_rope": "Liger" if liger else without,
               "loss": "Liger fused linear cross entropy" if liger else

@@ -11,8 +11,10 @@
   one-rank topology, ``attn_implementation="ring_sp"``, activation checkpointing on, then
   ``enable_long_sequence(model, offload_checkpoints=True)`` with its defaults (tiled MLP and
   loss with tiles sized by ring_sp, lean layers, head chunks "auto"), the loss from
-  ``model_loss``. :class:`RingSpRecipe` switches pieces off (the ``step`` section's untiled
-  baseline; the ``memory`` section's pieces).
+  ``model_loss``. :class:`RingSpRecipe` switches pieces off (the ``step`` section's modes:
+  no checkpointing, checkpoints on the device, untiled).
+* :func:`share_parameters`: one set of weights and gradients for several libraries' models
+  (the ``step`` section's modes train one, so their losses agree).
 
 ALST's recipe on the same model is :mod:`.alst`. Importing this module imports no
 transformers (the GPU run may bring its wheel first: :mod:`.wheels`).
@@ -32,6 +34,7 @@ from torch import nn
 
 import ring_sp
 import ring_sp.integrations.transformers as rsp_hf
+from ring_sp.kernels import get_kernel
 from ring_sp.plan.step_memory import PRESETS, Transformer
 
 TINY = Transformer(hidden=64, ffn=128, heads=4, kv_heads=2, head_dim=16, layers=2, vocab=300, name="tiny (dry)")
@@ -151,7 +154,8 @@ def ring_sp_step(shape: Transformer, device: torch.device, dtype: torch.dtype,
         return rsp_hf.causal_lm_loss(logits, shard["shift_labels"])
 
     config = rsp_hf.long_sequence_config(model)
-    pieces = {"attention": "ring_sp (torch backend: aten flash attention on CUDA)",
+    kernel = get_kernel("auto", device, dtype, shape.head_dim).name
+    pieces = {"attention": f"ring_sp, backend auto: {kernel}",
               "checkpointing": ("offloaded to host" if offload and device.type == "cuda" else "on the device")
               if recipe.checkpointing else "off",
               "mlp": "ring_sp tiled" if recipe.tiled else "transformers",
@@ -159,6 +163,16 @@ def ring_sp_step(shape: Transformer, device: torch.device, dtype: torch.dtype,
               "lean_layers": str(bool(config and config.lean_layers)),
               "head_chunks": str(config.head_chunks if config else None)}
     return Step(recipe.name, model, loss, pieces)
+
+
+def share_parameters(source: nn.Module, target: nn.Module) -> None:
+    """Make every parameter of ``target`` the very parameter of ``source`` at the same name (the
+    same architecture; wrappers ring_sp or ALST put around modules hold no parameters of their
+    own): one set of weights and gradients for both, ``target``'s own freed."""
+    for name, module in target.named_modules():
+        mine = source.get_submodule(name)
+        for key in module._parameters:
+            module._parameters[key] = mine._parameters[key]
 
 
 @contextlib.contextmanager
@@ -173,4 +187,4 @@ def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 __all__ = ["RingSpRecipe", "Step", "TINY", "build_model", "llama_3_8b", "llama_config", "one_rank_topology",
-           "patched", "ring_sp_step", "tokens"]
+           "patched", "ring_sp_step", "share_parameters", "tokens"]

@@ -1,27 +1,29 @@
 """Section ``step``: ring_sp's whole training step with its defaults against ALST's modules and untiled.
 
 The model is transformers' ``LlamaForCausalLM`` with Llama-3-8B's shape and 2 decoder layers in
-bf16 on one GPU (:mod:`.hf_llama`), every mode training ONE set of parameters (gradients
-allocated before the step, zeroed between steps): ``ring_sp`` (``register`` +
-``enable_long_sequence`` defaults + ``model_loss``, what its users run), ``untiled`` (ring_sp's
-attention only), ``ALST`` (sdpa, DeepSpeed's ``TiledMLP`` and ``TiledFusedLogitsLoss``, every
-layer checkpointed) and, where time allows, ``ring_sp+ckpt`` (the defaults with every layer
-checkpointed, like for like with ALST). At each length (16K-128K; ``--quick`` 16K-32K), one
-forward + backward per mode: a warm-up, then the median of ``repeats`` timed steps (CUDA
-events; one after a warm-up where the step is predicted past ``long_step_s``), the loss (the
-modes must agree: same weights, same tokens) and the peak memory the step adds. A mode whose
-memory, extrapolated through its last two lengths, would pass ``fits_share`` of the free
-memory is skipped there (so is every longer length of a mode that ran out of memory), and a
-step whose predicted time would pass the section's cap. At ``profile_len`` one more step per
-mode runs under torch.profiler: its top CUDA kernels by their own time
-(:meth:`.seam.Seam.profile`). Targets: ``ring_sp`` <= 1.10x ``untiled`` where untiled fits,
-<= 1.00x ``ALST`` at every measured length.
+bf16 on one GPU, built by the ``memory`` section's builder (:mod:`.llama`; ALST's recipe
+:mod:`.alst`), every mode training ONE set of parameters (:func:`.llama.share_parameters`;
+gradients allocated before the step, zeroed between steps). The modes (:data:`RECIPES`):
+``ring_sp`` (``register`` + ``enable_long_sequence`` defaults + ``model_loss``, what its users
+run), ``untiled`` (ring_sp's attention only), ``ALST`` (its modules as issue 38 timed them:
+sdpa with torch's own choice of kernel, DeepSpeed's ``TiledMLP`` and ``TiledFusedLogitsLoss``,
+every layer checkpointed on the device, no Liger) and, where time allows, ``ring_sp+ckpt``
+(the defaults with every layer checkpointed on the device, like for like with ALST). At each
+length (16K-128K; ``--quick`` 16K-32K), one forward + backward per mode: a warm-up, then the
+median of ``repeats`` timed steps (CUDA events; one after a warm-up where the step is predicted
+past ``long_step_s``), the loss (the modes must agree: same weights, same tokens) and the peak
+memory the step adds. A mode whose memory, extrapolated through its last two lengths, would
+pass ``fits_share`` of the free memory is skipped there (so is every longer length of a mode
+that ran out of memory), and a step whose predicted time would pass the section's cap. At
+``profile_len`` one more step per mode runs under torch.profiler: its top CUDA kernels by their
+own time (:meth:`.seam.Seam.profile`). Targets: ``ring_sp`` <= 1.10x ``untiled`` where untiled
+fits, <= 1.00x ``ALST`` at every measured length.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +32,8 @@ import torch
 from ring_sp.plan.step_memory import Transformer
 
 from ..tables import table
-from .hf_llama import TINY, Step, build_steps, llama_3_8b, tokens
+from .alst import AlstRecipe, alst_step
+from .llama import TINY, RingSpRecipe, Step, llama_3_8b, ring_sp_step, share_parameters, tokens
 from .longest import predict_time
 from .preflight import transformers_unsupported
 from .seam import Deadline, Seam
@@ -39,6 +42,12 @@ Record = dict[str, Any]
 UNTILED_RATIO_TARGET, ALST_RATIO_TARGET = 1.10, 1.00
 # relative, between the modes' losses: a label off by one token moves it by about 5e-4 (fp32, tiny dry model)
 LOSS_AGREEMENT = {"bfloat16": 2e-3, "float32": 1e-4}
+RECIPES: dict[str, RingSpRecipe | AlstRecipe] = {
+    "ring_sp": RingSpRecipe(checkpointing=False, offload=False),
+    "ring_sp+ckpt": RingSpRecipe(offload=False),
+    "untiled": RingSpRecipe(tiled=False, checkpointing=False, offload=False),
+    "ALST": AlstRecipe(liger=False, sdpa_backend=None, offload_checkpoints=False),
+}
 
 
 @dataclass(frozen=True)
@@ -60,13 +69,36 @@ QUICK = StepConfig(seq_lens=(16384, 32768), modes=("ring_sp", "untiled", "ALST")
 DRY = StepConfig(shape=TINY, seq_lens=(64, 256), repeats=1, profile_len=64, dry_capacity=int(2.75 * 2**20))
 
 
+def build_steps(modes: Iterable[str], shape: Transformer, device: torch.device, dtype: torch.dtype
+                ) -> tuple[dict[str, Step], dict[str, str]]:
+    """({mode: its Step (:data:`RECIPES`)}, all sharing the first one's parameters and gradients,
+    {mode: why it cannot be built}: ALST without DeepSpeed's modules)."""
+    steps: dict[str, Step] = {}
+    missing: dict[str, str] = {}
+    for mode in modes:
+        recipe = RECIPES[mode]
+        try:
+            if isinstance(recipe, AlstRecipe):
+                step = alst_step(shape, device, dtype, recipe)
+            else:
+                step = ring_sp_step(shape, device, dtype, recipe)
+        except ImportError as exc:  # DeepSpeed missing: the mode is reported, the others run
+            missing[mode] = f"{type(exc).__name__}: {exc}"
+            continue
+        if steps:
+            share_parameters(next(iter(steps.values())).model, step.model)
+        steps[mode] = step
+    return steps, missing
+
+
 class _Runner:
     """The modes' steps on the seam's device and what each measured so far."""
 
     def __init__(self, seam: Seam, cfg: StepConfig, steps: dict[str, Step]) -> None:
         self.seam, self.cfg, self.steps = seam, cfg, steps
-        self.params = list(next(iter(steps.values())).model.parameters())
-        self.resident = sum(2 * p.numel() * p.element_size() for p in self.params)  # parameters + gradients
+        first = next(iter(steps.values()))
+        self.params = list(first.model.parameters())
+        self.resident = first.resident_bytes()  # parameters + gradients
         self.times: dict[str, list[tuple[int, float]]] = {m: [] for m in steps}
         self.added: dict[str, list[tuple[int, int]]] = {m: [] for m in steps}
         self.failed_at: dict[str, int] = {}
@@ -74,19 +106,13 @@ class _Runner:
     def free_bytes(self) -> int:
         return self.seam.capacity() - (self.seam.allocated() if self.seam.is_cuda else self.resident)
 
-    def one(self, step: Step, ids: torch.Tensor) -> tuple[float, int, int, torch.Tensor]:
+    def one(self, step: Step, ids: torch.Tensor) -> tuple[float, int, int, float]:
         """(seconds, bytes added at the peak, the peak, loss) of one forward + backward, gradients zeroed first."""
         for p in self.params:
             p.grad.zero_()
-        losses: list[torch.Tensor] = []
-
-        def run() -> None:
-            loss = step.loss(ids)
-            loss.backward()
-            losses.append(loss.detach())
-
+        losses: list[float] = []
         with self.seam.memory(None if self.seam.is_cuda else self.free_bytes()) as m:
-            seconds = self.seam.time(run)
+            seconds = self.seam.time(lambda: losses.append(step.train(ids)))
         return seconds, m.added, m.peak if self.seam.is_cuda else self.resident + m.added, losses[0]
 
     def skip_reason(self, mode: str, n: int, deadline: Deadline) -> str | None:
@@ -127,14 +153,14 @@ class _Runner:
         added = max(r[1] for r in runs)
         self.times[mode].append((n, median))
         self.added[mode].append((n, added))
-        return {"step_s": median, "times_s": [r[0] for r in runs], "warmup_s": warm[0], "loss": runs[-1][3].item(),
+        return {"step_s": median, "times_s": [r[0] for r in runs], "warmup_s": warm[0], "loss": runs[-1][3],
                 "added_bytes": added, "peak_bytes": max(r[2] for r in runs)}
 
     def profile(self, mode: str, n: int) -> Record:
         step, ids = self.steps[mode], tokens(n, self.cfg.shape.vocab, self.seam.device)
         for p in self.params:
             p.grad.zero_()
-        return self.seam.profile(lambda: step.loss(ids).backward(), self.cfg.profile_top)
+        return self.seam.profile(lambda: step.train(ids), self.cfg.profile_top)
 
 
 def step(seam: Seam, cfg: StepConfig, deadline: Deadline, log: Callable[[str], None]) -> Iterator[Record]:

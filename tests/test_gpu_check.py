@@ -24,6 +24,7 @@ from benchmarks.gpu_check import longest as gpu_longest
 from benchmarks.gpu_check import memory as gpu_memory
 from benchmarks.gpu_check import step as gpu_step
 from benchmarks.gpu_check.__main__ import CAPS, summary
+from benchmarks.gpu_check.__main__ import targets as summary_targets
 from benchmarks.gpu_check.llama import llama_3_8b
 from benchmarks.gpu_check.loopback import rank_specs, ring_grads, ring_outputs, ring_rank_backward
 from ring_sp import shard_sequence, unshard_sequence
@@ -57,14 +58,15 @@ def _section(records, name):
 
 def test_dry_run_writes_every_section(dry_run):
     out, records = dry_run
-    assert {r["section"] for r in records} >= {"card", "kernel_tests", "memory", "memory_longest", "efficiency",
-                                               "attention_rate", "step", "step_models", "step_profile", "section_time"}
+    assert {r["section"] for r in records} >= {"card", "kernel_tests", "memory", "memory_longest", "memory_planner",
+                                               "efficiency", "attention_rate", "step", "step_models", "step_profile",
+                                               "section_time"}
     assert not [r for r in records if "error" in r], [r for r in records if "error" in r]
     assert "ring_sp is not installed: integrations/ imported as ring_sp.integrations" in (out / "run.log").read_text()
     (card,) = _section(records, "card")
     assert card["mode"] == "dry" and card["torch"] == torch.__version__ and card["kernel"] == "torch"
     times = {r["name"]: r for r in _section(records, "section_time")}
-    assert set(times) == {"kernel_tests", "memory", "efficiency", "step"}
+    assert list(times) == ["kernel_tests", "efficiency", "step", "memory"]  # the memory section's probes last
     assert all(t["status"] == "done" and t["elapsed_s"] <= t["cap_s"] for t in times.values())
     assert all("--sections" in r["command"] for r in records if r["section"] in times)
     text = (out / "gpu_check.md").read_text()
@@ -94,6 +96,7 @@ def test_memory_records_have_model_and_measured_figures(dry_run):
     pieces = {r["library"]: r for r in _section(dry_run[1], "memory_pieces")}
     assert pieces["ring_sp"]["lean_layers"] == "True" and pieces["ring_sp"]["head_chunks"] == "auto"
     assert "TiledMLP" in pieces["ALST"]["mlp"] and "TiledFusedLogitsLoss" in pieces["ALST"]["loss"]
+    assert "flash backend" in pieces["ALST"]["attention"] and "host memory" in pieces["ALST"]["checkpointing"]
     for r in _section(dry_run[1], "memory_layers"):  # up to a few KiB a layer that do not grow with N
         assert r["model_delta_bytes"] == r["checkpoint_bytes"], r
         assert r["measured_delta_bytes"] == pytest.approx(r["checkpoint_bytes"], abs=4096), r
@@ -106,6 +109,12 @@ def test_the_longest_n_is_extrapolated_and_confirmed_for_ring_sp_and_alst(dry_ru
         assert r["slope_bytes_per_token"] > 0 and r["extrapolated_longest"] > 0 and r["stopped"] is None, r
         assert r["confirmed"] and r["longest_fits"] == r["extrapolated_longest"] and r["longer_fails"], r
         assert r["probes"][1]["seq_len"] >= r["longest_fits"] + r["unit"]
+    # README's 8-GPU row, from the planner whose constants the memory rows check
+    (planner,) = _section(dry_run[1], "memory_planner")
+    assert planner["ring_sp_grid"] == "1 x 8" and planner["ALST_grid"] == "8 x 1"
+    assert planner["ring_sp_longest"] == 6_693_696 and planner["ALST_longest"] == 4_512_768
+    row = next(row for row in summary_targets(dry_run[1]) if row[0].startswith("the planner's 8-GPU"))
+    assert "6,693,696 (1 x 8) / 4,512,768 = 1.48" in row[1] and row[2] == "met"
 
 
 def test_efficiency_records_are_finite_and_exact(dry_run):
@@ -178,6 +187,10 @@ def test_the_step_section_times_every_mode_on_one_set_of_weights(dry_run):
     records = dry_run[1]
     (models,) = _section(records, "step_models")
     assert models["modes"] == ["ring_sp", "untiled", "ALST", "ring_sp+ckpt"] and models["parameters_shared"]
+    pieces = models["pieces"]  # the memory section's builders, with issue 38's ALST: sdpa's own kernel, no offload
+    assert "own choice" in pieces["ALST"]["attention"] and pieces["ALST"]["checkpointing"].endswith("on the device")
+    assert (pieces["ring_sp"]["checkpointing"], pieces["ring_sp+ckpt"]["checkpointing"]) == ("off", "on the device")
+    assert pieces["untiled"]["mlp"] == "transformers" and pieces["ring_sp"]["head_chunks"] == "auto"
     rows = {(r["mode"], r["seq_len"]): r for r in _section(records, "step")}
     short, long = gpu_step.DRY.seq_lens
     for mode in models["modes"]:
@@ -199,6 +212,26 @@ def test_the_step_section_times_every_mode_on_one_set_of_weights(dry_run):
     untiled = next(row for name, row in targets.items() if "untiled" in name)
     assert f"{short:,}:" in untiled[1] and f"{long:,}:" not in untiled[1]  # where untiled fits
     assert next(row for name, row in targets.items() if "losses agree" in name)[2] == "met"
+
+
+def test_an_unsupported_transformers_skips_the_memory_and_step_sections(monkeypatch):
+    """The GPU image's transformers 5.17 without the carried wheel: both sections that train
+    transformers' Llama are named before anything runs and skipped with the reason, not raised."""
+    from benchmarks.gpu_check import preflight
+
+    monkeypatch.setattr(preflight, "installed_version", lambda name: "5.17.0" if name == "transformers" else None)
+    monkeypatch.setattr(preflight, "_import_error", lambda module: None)
+    reason = preflight.transformers_unsupported()
+    assert reason.startswith("transformers 5.17.0") and "transformers>=5.18" in reason
+    skips = preflight.missing(["memory", "step"])
+    assert (skips["memory"], skips["step"]) == (reason, reason) and not any("ALST's modules" in r for r in skips.values())
+    for module in (gpu_memory, gpu_step):
+        monkeypatch.setattr(module, "transformers_unsupported", preflight.transformers_unsupported)
+    seam = Seam.open(dry=True)
+    records = [*gpu_memory.memory(seam, gpu_memory.DRY, Deadline(60), print),
+               *gpu_step.step(seam, gpu_step.DRY, Deadline(60), print)]
+    assert {r["section"] for r in records} == {"memory_longest", "step"}
+    assert all(r["skipped"] == reason for r in records)
 
 
 def test_loopback_ring_gives_exact_gradients_and_needs_its_collection():

@@ -5,11 +5,13 @@
     python -m benchmarks.gpu_check --dry --out /tmp/gpu_check         # CPU, tiny sizes: every code path (CI)
 
 Sections, in order, each under its own time cap: ``kernel_tests`` (tests/test_kernels_cuda.py),
-``memory`` (the whole-step memory model against the allocator on transformers' Llama through
-ring_sp's and ALST's recipes, each one's longest N on the card), ``efficiency`` (each backend's
-attention rate against cuDNN SDPA, then the ring schedule's blocks against one fused kernel,
-forward and backward) and ``step`` (the whole step with ring_sp's defaults against ALST's
-modules and untiled, with its top kernels). Writes into
+``efficiency`` (each backend's attention rate against cuDNN SDPA, then the ring schedule's
+blocks against one fused kernel, forward and backward), ``step`` (the whole step with ring_sp's
+defaults against ALST's modules and untiled, with its top kernels) and ``memory`` (the
+whole-step memory model against the allocator on transformers' Llama through ring_sp's and
+ALST's recipes, each one's longest N on the card). The memory section runs last: its probes
+run the card out of memory on purpose, and a run cut short has the timed sections already.
+Writes into
 ``--out`` (default ``$OUT``): ``gpu_check.jsonl`` (one JSON record per line, each written as
 it is measured), ``gpu_check.md`` (the card and the tables, rewritten after each section)
 and ``kernel_tests.log``. What a section cannot run (pytest, DeepSpeed, Liger missing) is named
@@ -42,11 +44,11 @@ from .preflight import card, card_markdown, install_wheels, missing  # noqa: E40
 from .seam import Deadline, Seam  # noqa: E402
 
 Record = dict[str, Any]
-SECTIONS = ("kernel_tests", "memory", "efficiency", "step")
+SECTIONS = ("kernel_tests", "efficiency", "step", "memory")
 CAPS = {  # seconds per section: full within 8 minutes on an H100 (with start-up), quick within 3
-    "full": {"kernel_tests": 60, "memory": 190, "efficiency": 100, "step": 100},
-    "quick": {"kernel_tests": 25, "memory": 60, "efficiency": 35, "step": 35},
-    "dry": {"kernel_tests": 60, "memory": 60, "efficiency": 60, "step": 60},
+    "full": {"kernel_tests": 60, "efficiency": 100, "step": 100, "memory": 190},
+    "quick": {"kernel_tests": 25, "efficiency": 35, "step": 35, "memory": 60},
+    "dry": {"kernel_tests": 60, "efficiency": 60, "step": 60, "memory": 60},
 }
 CONFIGS = {"full": (memory.FULL, efficiency.FULL, step.FULL), "quick": (memory.QUICK, efficiency.QUICK, step.QUICK),
            "dry": (memory.DRY, efficiency.DRY, step.DRY)}
@@ -110,7 +112,7 @@ def targets(records: list[Record]) -> list[list[str]]:
     for r in tests:
         bad = r["counts"].get("failed", 0) + r["counts"].get("errors", 0)
         rows.append(["CUDA kernel tests pass", r["summary"] or r.get("error", ""), verdict[bad == 0 and "error" not in r]])
-    rows += memory_report.targets(records) + efficiency.targets(records) + step.targets(records)
+    rows += efficiency.targets(records) + step.targets(records) + memory_report.targets(records)
     return rows
 
 
@@ -118,9 +120,9 @@ def summary(records: list[Record], elapsed: dict[str, Any]) -> str:
     cards = [r for r in records if r["section"] == "card"]
     lines = ["# gpu_check", ""] + (card_markdown(cards[0], elapsed) if cards else []) + [""]
     parts = (("CUDA kernel tests", kernel_tests.markdown),
-             ("Step memory: model against the allocator", memory_report.markdown),
              ("Attention rate and schedule efficiency", efficiency.markdown),
-             ("Step time", step.markdown))
+             ("Step time", step.markdown),
+             ("Step memory: model against the allocator", memory_report.markdown))
     for title, render in parts:
         body = render(records)
         if body:

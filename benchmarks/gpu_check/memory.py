@@ -18,6 +18,8 @@ checkpoints offloaded (:func:`.llama.ring_sp_step`), ALST's one-GPU recipe (:mod
   model's (:mod:`.longest`).
 * ``memory_longest``: each library's line extrapolated to the free memory, confirmed by a
   probe at that length and, where time allows, one 5% longer (:mod:`.longest`).
+* ``memory_planner``: the planner's 8-GPU row of README's table (:func:`planner_record`),
+  which rests on the constants the ``memory`` rows check on the card.
 
 ``--quick`` holds the process to a 20 GiB budget (``set_per_process_memory_fraction``) so its
 probes are short; ``--dry`` runs the same code on the CPU at a tiny shape (float32, the CPU
@@ -27,22 +29,28 @@ its out-of-memory).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ring_sp.plan import main as plan_main
 from ring_sp.plan.step_memory import Training, Transformer, step_memory
 
 from .alst import AlstRecipe, alst_step
 from .llama import TINY, Step, llama_3_8b, ring_sp_step, tokens
 from .longest import predict_time, probe_longest
+from .preflight import transformers_unsupported
 from .seam import Deadline, Seam
 
 Record = dict[str, Any]
 LIBRARIES = ("ring_sp", "ALST")
+PLANNER_ARGS = ("--model", "llama-3-8b", "--world-size", "8", "--max-seq-len", "--alst")  # README's 8-GPU row
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,11 @@ def memory(seam: Seam, cfg: MemoryConfig, deadline: Deadline, log: Callable[[str
 
 
 def _memory(seam: Seam, cfg: MemoryConfig, deadline: Deadline, log: Callable[[str], None]) -> Iterator[Record]:
+    unsupported = transformers_unsupported()
+    if unsupported:  # ring_sp's register refuses it; ALST's rows would have no ring_sp beside them
+        for library in LIBRARIES:
+            yield {"section": "memory_longest", "library": library, "skipped": unsupported}
+        return
     points: Points = {}
     lines: dict[str, int] = {}  # library -> the 2-layer stack's parameters and gradients
     for library in LIBRARIES:
@@ -233,6 +246,21 @@ def _memory(seam: Seam, cfg: MemoryConfig, deadline: Deadline, log: Callable[[st
         share = Deadline(deadline.left() / (len(lines) - i))
         yield longest(seam, cfg, library, lines[library], points.get(f"{library} {cfg.line_layers}", []), share,
                       log)
+    yield planner_record()
+
+
+def planner_record(argv: tuple[str, ...] = PLANNER_ARGS) -> Record:
+    """README's modelled 8-GPU row (``ring-sp plan`` with ``argv``): ALST's longest N on its one
+    grid and ring_sp's on its best, from the constants this section checks on the card."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        plan_main([*argv, "--json"])
+    rows = [r for r in json.loads(out.getvalue())["rows"] if r["status"] == "ok"]
+    best = {library: max((r for r in rows if r["library"] == library), key=lambda r: r["longest_sequence"])
+            for library in ("ALST", "ring_sp")}
+    return {"section": "memory_planner", "planner_command": "ring-sp plan " + " ".join(argv),
+            **{f"{name}_longest": r["longest_sequence"] for name, r in best.items()},
+            **{f"{name}_grid": f"{r['ulysses']} x {r['ring']}" for name, r in best.items()}}
 
 
 def longest(seam: Seam, cfg: MemoryConfig, library: str, resident: int, line: list[Record], deadline: Deadline,
@@ -271,5 +299,5 @@ def layers_record(library: str, cfg: MemoryConfig, seam: Seam, train: Training, 
                 (), dtype=seam.dtype).element_size()}
 
 
-__all__ = ["DRY", "FULL", "LIBRARIES", "MemoryConfig", "QUICK", "Runner", "build", "layer_delta", "measure",
-           "memory", "model_added", "training"]
+__all__ = ["DRY", "FULL", "LIBRARIES", "MemoryConfig", "PLANNER_ARGS", "QUICK", "Runner", "build", "layer_delta",
+           "measure", "memory", "model_added", "planner_record", "training"]

@@ -12,7 +12,6 @@ import json
 import math
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,6 @@ from benchmarks.gpu_check.loopback import rank_specs, ring_grads, ring_outputs, 
 from ring_sp import shard_sequence, unshard_sequence
 from ring_sp.kernels import get_kernel
 from ring_sp.layouts import check_layout
-from benchmarks.gpu_check.preflight import install_wheels
 from benchmarks.gpu_check.seam import Deadline, Seam, SimulatedOutOfMemory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,6 +311,9 @@ def test_the_seam_on_the_cpu():
     with pytest.raises(SimulatedOutOfMemory) as caught, seam.memory(limit_bytes=1000):
         torch.ones(1000)
     assert seam.is_out_of_memory(caught.value) and not seam.is_out_of_memory(RuntimeError("other"))
+    assert seam.out_of_memory_record(caught.value).startswith("SimulatedOutOfMemory: CPU stand-in")
+    with pytest.raises(RuntimeError, match="other"):  # not an out-of-memory: raised again, never recorded
+        seam.out_of_memory_record(RuntimeError("other"))
     with seam.budget(512):
         assert seam.capacity() == 512
     assert seam.capacity() == 2**20
@@ -329,26 +330,3 @@ def test_predict_time_and_the_line():
     assert gpu_longest.predict_time([], 10**9) == 0.0
     assert gpu_longest.fit_line([(100, 1100.0), (200, 2100.0), (300, 3100.0)]) == pytest.approx((10.0, 100.0))
     assert gpu_longest.fit_line([(100, 1100.0)]) is None and gpu_longest.fit_line([(1, 5.0), (2, 4.0)]) is None
-
-
-def test_wheels_install_only_what_is_missing(tmp_path, monkeypatch):
-    """--wheels: a pure-Python wheel of a missing distribution is installed and importable; one
-    whose distribution is already installed (here: pytest) is left alone."""
-    folder = tmp_path / "wheels"
-    folder.mkdir()
-    name, version = "gpu_check_probe", "1.0"
-    info = f"{name}-{version}.dist-info"
-    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as whl:
-        whl.writestr(f"{name}.py", "ANSWER = 42\n")
-        whl.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        whl.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        whl.writestr(f"{info}/RECORD", f"{name}.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
-    (folder / f"pytest-{pytest.__version__}-py3-none-any.whl").write_bytes(b"not a real wheel: never installed")
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.setenv("PYTHONPATH", "")
-    result = install_wheels(folder)
-    assert result["installed"] == [f"{name}-{version}-py3-none-any.whl"]
-    assert "pytest" in " ".join(result["already_present"])
-    probe = __import__(name)
-    assert probe.ANSWER == 42
-    sys.modules.pop(name, None)

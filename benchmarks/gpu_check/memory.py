@@ -144,9 +144,7 @@ class Runner:
             with seam.memory(None if seam.is_cuda else self.free_bytes()) as m:
                 seconds = seam.time(run)
         except Exception as exc:  # noqa: BLE001  (anything but running out of memory is raised again)
-            if not seam.is_out_of_memory(exc):
-                raise
-            failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+            failed = seam.out_of_memory_record(exc)
         del ids
         seam.release()
         if failed is not None:

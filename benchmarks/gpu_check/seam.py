@@ -132,6 +132,13 @@ class Seam:
     def is_out_of_memory(self, exc: BaseException) -> bool:
         return isinstance(exc, (torch.cuda.OutOfMemoryError, SimulatedOutOfMemory))
 
+    def out_of_memory_record(self, exc: Exception) -> str:
+        """The one line a record keeps of ``exc`` if it is an out-of-memory (the step did not fit);
+        any other exception is raised again."""
+        if not self.is_out_of_memory(exc):
+            raise exc
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+
     # -- the memory counter ---------------------------------------------------------------
     @contextmanager
     def memory(self, limit_bytes: int | None = None) -> Iterator[MemoryReading]:

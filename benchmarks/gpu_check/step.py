@@ -142,9 +142,7 @@ class _Runner:
             repeats = 1 if warm[0] > self.cfg.long_step_s else self.cfg.repeats
             runs = [self.one(step, ids) for _ in range(repeats)]
         except Exception as exc:  # noqa: BLE001  (anything but running out of memory is raised again)
-            if not seam.is_out_of_memory(exc):
-                raise
-            failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
+            failed = seam.out_of_memory_record(exc)
         if failed is not None:  # released here, once the exception (and the step's tensors it holds) is gone
             self.failed_at[mode] = n
             seam.release()

@@ -222,7 +222,8 @@ def test_an_unsupported_transformers_skips_the_memory_and_step_sections(monkeypa
     reason = preflight.transformers_unsupported()
     assert reason.startswith("transformers 5.17.0") and "transformers>=5.18" in reason
     skips = preflight.missing(["memory", "step"])
-    assert (skips["memory"], skips["step"]) == (reason, reason) and not any("ALST's modules" in r for r in skips.values())
+    assert (skips["memory"], skips["step"]) == (reason, reason)
+    assert not any("ALST's modules" in r for r in skips.values())  # DeepSpeed imports (faked here)
     for module in (gpu_memory, gpu_step):
         monkeypatch.setattr(module, "transformers_unsupported", preflight.transformers_unsupported)
     seam = Seam.open(dry=True)

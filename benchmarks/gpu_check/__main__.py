@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             status, failed = "raised", True
             results.add([{"section": name, "error": f"{type(exc).__name__}: {exc}"[:500],
                           "command": section_command(name, mode, args)}])
-            seam.release()
+        seam.release()  # what a section left cached (the step section's four models) goes back before the next
         elapsed[name] = {"elapsed_s": time.monotonic() - begin, "cap_s": caps[name], "status": status,
                          "command": section_command(name, mode, args)}
         results.add([{"section": "section_time", "name": name, **elapsed[name]}])

@@ -262,7 +262,7 @@ def training_of(mode: LengthMode, cfg: LengthConfig) -> tuple[Training, int, int
     tile sizes), and its grid (U, R)."""
     ranks = mode.world_size(cfg.sp)
     ours = mode.kind != "alst"
-    training = Training(dtype="fp32", tiled_mlp=mode.tiled, tiled_loss=mode.tiled,
+    training = Training(dtype="fp32", attention_kernel="cpu", tiled_mlp=mode.tiled, tiled_loss=mode.tiled,
                         mlp_tile_tokens=cfg.tile_tokens if ours else None,
                         loss_tile_tokens=cfg.tile_tokens if ours else cfg.loss_tile_tokens,
                         library="ring_sp" if ours else "alst", lean_layers=ours and mode.tiled,  # on with tiling

@@ -5,8 +5,9 @@ every layer and by the backward (:mod:`ring_sp.schedule_cache`); this measures w
 one build costs on ring rank 0 (``exchange_plan`` and the spec around it, a new document
 mix each time so no cache helps) against one layer's attention on the same rank: the ring
 forward, and forward + backward, with the real kernel and schedule, the exchanges replaced
-by a local copy of the same bytes (so: a lower bound of the layer's time, and the ratio
-an upper bound). Build and layer alternate, repeat by repeat, in one process.
+by gpu_check's loopback (:class:`.gpu_check.loopback.Loopback`: a local copy of the rows a KV
+receive writes, a zero fill of a dK/dV receive; so: a lower bound of the layer's time, and the
+ratio an upper bound). Build and layer alternate, repeat by repeat, in one process.
 
     python -m benchmarks.schedule_cost [--world-size 8] [--tokens-per-rank 8192] [--documents 1000]
 """
@@ -21,23 +22,10 @@ from typing import Any
 
 import torch
 
-from ring_sp.comm import PendingExchange
 from ring_sp.kernels import get_kernel
 from ring_sp.ring import RingSpec, ring_backward, ring_forward
 
-
-class _Loopback:
-    """Stands in for :class:`ring_sp.comm.RingComm` on one process: an exchange copies the
-    send buffer into the receive buffer (the full ring's messages have equal sizes)."""
-
-    def __init__(self, world_size: int, rank: int = 0) -> None:
-        self.world_size, self.rank = world_size, rank
-
-    def exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None, kind: str = "ring_p2p",
-                 offset: int = 1) -> PendingExchange:
-        if recv is not None:
-            recv.copy_(send) if send is not None else recv.zero_()
-        return PendingExchange([])
+from .gpu_check.loopback import Loopback
 
 
 def random_boundaries(seq_len: int, documents: int, seed: int) -> tuple[int, ...]:
@@ -51,16 +39,18 @@ def measure(world_size: int = 8, tokens_per_rank: int = 8192, documents: int = 1
     """Median seconds of one spec build and of one layer's forward / forward+backward on rank 0."""
     torch_dtype = getattr(torch, dtype)
     kernel = get_kernel("auto", torch.device("cpu"), torch_dtype, head_dim)
-    comm, scale = _Loopback(world_size), head_dim ** -0.5
-    seq_len = world_size * tokens_per_rank
-
-    def spec(seed: int) -> RingSpec:
-        return RingSpec(comm, "document_zigzag", True, kernel, scale, tokens_per_rank,  # type: ignore[arg-type]
-                        random_boundaries(seq_len, documents, seed))
-
+    scale, seq_len = head_dim ** -0.5, world_size * tokens_per_rank
     g = torch.Generator().manual_seed(0)
     q, dout = (torch.randn(1, tokens_per_rank, heads, head_dim, generator=g, dtype=torch_dtype) for _ in range(2))
     k, v = (torch.randn(1, tokens_per_rank, kv_heads, head_dim, generator=g, dtype=torch_dtype) for _ in range(2))
+
+    def spec(seed: int) -> RingSpec:  # every rank's shard stands in by rank 0's (the receives' bytes are the same)
+        comm = Loopback(0, [k] * world_size, [v] * world_size)
+        built = RingSpec(comm, "document_zigzag", True, kernel, scale, tokens_per_rank,  # type: ignore[arg-type]
+                         random_boundaries(seq_len, documents, seed))
+        comm.recv_rows = built.recv_rows
+        return built
+
     layer = spec(0)
     times: dict[str, list[float]] = {"build_s": [], "fwd_s": [], "fwd_bwd_s": []}
     for i in range(repeats + 1):  # the first round warms up

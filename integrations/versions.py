@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from collections.abc import Mapping
 from importlib import metadata
 
 # distribution name -> (lowest supported, first unsupported)
@@ -26,9 +27,10 @@ SUPPORTED: dict[str, tuple[str, str]] = {
 }
 
 
-def requirement(distribution: str) -> str:
-    """The pip requirement for ``distribution``'s supported range, e.g. ``"transformers>=5.18.0,<5.25"``."""
-    lowest, below = SUPPORTED[distribution]
+def requirement(distribution: str, ranges: Mapping[str, tuple[str, str]] = SUPPORTED) -> str:
+    """The pip requirement for ``distribution``'s supported range, e.g. ``"transformers>=5.18.0,<5.25"``
+    (``ranges``: another table of the same form, for tests)."""
+    lowest, below = ranges[distribution]
     return f"{distribution}>={lowest},<{below}"
 
 
@@ -46,6 +48,12 @@ def installed_version(distribution: str) -> str:
     return metadata.version(distribution)
 
 
+def in_supported_range(distribution: str, version: str, ranges: Mapping[str, tuple[str, str]] = SUPPORTED) -> bool:
+    """Whether ``version`` of ``distribution`` lies in its supported range (:data:`SUPPORTED`, or ``ranges``)."""
+    lowest, below = ranges[distribution]
+    return _release(lowest) <= _release(version) < _release(below)
+
+
 def require_supported(distribution: str, feature: str) -> None:
     """Raise unless the installed ``distribution`` lies in its supported range.
 
@@ -53,8 +61,7 @@ def require_supported(distribution: str, feature: str) -> None:
     A pre-release or dev build of ``below`` (``5.25.0.dev0``) counts as ``below``: outside.
     """
     version = installed_version(distribution)
-    lowest, below = SUPPORTED[distribution]
-    if not _release(lowest) <= _release(version) < _release(below):
+    if not in_supported_range(distribution, version):
         raise RuntimeError(
             f"{feature} supports {requirement(distribution)} (the versions its tests pass on), but "
             f"{distribution} {version} is installed; install a supported one: pip install '{requirement(distribution)}'"
@@ -77,4 +84,4 @@ if __name__ == "__main__":  # not when setup.py exec()s this file
     print(main(sys.argv[1:]))
 
 
-__all__ = ["SUPPORTED", "installed_version", "main", "require_supported", "requirement"]
+__all__ = ["SUPPORTED", "in_supported_range", "installed_version", "main", "require_supported", "requirement"]

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 
@@ -161,10 +162,17 @@ def test_cli_errors_and_whole_step(capsys) -> None:
     assert "--max-seq-len needs --model" in capsys.readouterr().err
     assert plan_cli.main(["--world-size", "8", "--max-seq-len"]) == 2
     assert "--heads, --hidden, --layers required" in capsys.readouterr().err
-    assert plan_cli.main(["--model", "llama-3-8b", "--world-size", "8", "--seq-len", "1048576", "--zero-stage", "3",
-                          "--tiled", "--checkpointing"]) == 0
+    # checkpoints on the device, and every layer's recompute entry (out + lse, ring_sp.recompute) beside them:
+    # 32 + 31 GiB; offloaded, both are gone from the device (enable_long_sequence turns the reuse off)
+    args = ["--model", "llama-3-8b", "--world-size", "8", "--seq-len", "1048576", "--zero-stage", "3", "--tiled",
+            "--checkpointing"]
+    assert plan_cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "whole step at 1048576 tokens (131072 per GPU)" in out and "fits in 80 GiB" in out
+    assert "whole step at 1048576 tokens (131072 per GPU)" in out and "does NOT fit in 80 GiB" in out
+    assert "checkpointed activations 63.48" in out
+    assert plan_cli.main(args + ["--offload-checkpoints"]) == 0
+    out = capsys.readouterr().out
+    assert "whole step at 1048576 tokens (131072 per GPU)" in out and ", fits in 80 GiB" in out
 
 
 # --- issue 30: lean layers, head chunks, ALST's own pieces, the host bound, the int32 flag ---------------------------
@@ -200,7 +208,8 @@ def test_head_chunks_shrink_the_attention_backward_by_the_chunk_share() -> None:
     from ring_sp.plan.layer_memory import ring_sp_attention
 
     n = 1000
-    at = lambda chunks: ring_sp_attention(LLAMA_8B, sm.Training(head_chunks=chunks), n=n, ulysses=1, ring=8)  # noqa: E731
+    at = lambda chunks: ring_sp_attention(LLAMA_8B, sm.Training(head_chunks=chunks, attention_kernel="cpu"),  # noqa: E731
+                                          n=n, ulysses=1, ring=8)  # the flash kernel's workspace: test_gpu_memory_model
     assert at(None) == (n * 20608, n * 69632)
     for chunks in (2, 4, 8):
         assert at(chunks) == (n * 20608, n * (12288 + 94208 // chunks))
@@ -308,8 +317,15 @@ def test_tiled_mlp_backward_counts_its_fp32_weight_gradient_sums(monkeypatch) ->
         assert layer_memory.mlp_gradient_sums(LLAMA_8B, sm.Training(dtype=dtype, tiled_mlp=True)) == sums
         assert layer_memory.mlp_gradient_sums(LLAMA_8B, sm.Training(dtype=dtype)) == 0
     assert layer_memory.mlp_gradient_sums(LLAMA_8B, sm.Training(dtype="bf16", tiled_mlp=True, library="alst")) == 0
-    tiled = sm.Training(dtype="bf16", tiled_mlp=True, lean_layers=True, head_chunks=8)  # the defaults' 1 x 8 row
-    at = lambda: layer_memory.layer_backward_phase(LLAMA_8B, tiled, n=2**17, ulysses=1, ring=8, recompute=0.0)  # noqa: E731
-    counted = at()
+    # the defaults' 1 x 8 row; the CPU kernel's backward has no workspace of its own, so with 8 head chunks the
+    # MLP is the layer's larger working set with or without the sums
+    cpu = sm.Training(dtype="bf16", tiled_mlp=True, lean_layers=True, head_chunks=8, attention_kernel="cpu")
+    # flash-attention 2's workspace puts the attention's backward between the MLP's without the sums and with them
+    flash = dataclasses.replace(cpu, attention_kernel="flash")
+    counted = [layer_memory.layer_backward_phase(LLAMA_8B, t, n=2**17, ulysses=1, ring=8, recompute=0.0)
+               for t in (cpu, flash)]
     monkeypatch.setattr(layer_memory, "mlp_gradient_sums", lambda model, training: 0)
-    assert counted - at() == sums  # with 8 head chunks the MLP is the layer's larger working set
+    without = [layer_memory.layer_backward_phase(LLAMA_8B, t, n=2**17, ulysses=1, ring=8, recompute=0.0)
+               for t in (cpu, flash)]
+    assert counted[0] - without[0] == sums
+    assert 0 < counted[1] - without[1] < sums

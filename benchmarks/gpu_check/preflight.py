@@ -1,71 +1,33 @@
 """Before any measurement: the wheels ``--wheels`` brings, what is missing, and the card.
 
 The GPU machine reaches no network and has its own torch (never replaced here). Packages it
-lacks travel as wheels in a folder of the working tree: :func:`install_wheels` installs
-those whose distribution is not already installed (``pip install --no-index --no-deps
---target``, a temporary folder put first on ``sys.path`` and on ``PYTHONPATH`` for the
-kernel tests' subprocess), so a wheel can never shadow the machine's torch or numpy.
-:func:`missing` names, before anything runs, what each section will have to skip.
-:func:`card` describes the machine and the run.
+lacks, or has at a version ring_sp does not support, travel as wheels in a folder of the
+working tree: :func:`.wheels.install_wheels` installs those it needs for this run (see
+:mod:`.wheels`). :func:`missing` names, before anything runs, what each section will have to
+skip. :func:`card` describes the machine and the run, the wheels that replaced the machine's
+copies included.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import platform
-import re
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ring_sp.integrations.versions import in_supported_range, requirement
 from ring_sp.kernels import get_kernel, unavailable_reason
 
 from .seam import Seam
+from .wheels import install_wheels, installed_version
 
 Record = dict[str, Any]
-
-
-def _distribution(wheel: Path) -> str:
-    """The distribution a wheel file installs (PEP 427 names: ``name-version-...whl``)."""
-    return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
-
-
-def _installed(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def install_wheels(folder: Path) -> Record:
-    """Install the wheels of ``folder`` whose distribution is missing here; SystemExit naming
-    the problem if the folder is empty or pip fails (before any section has run)."""
-    wheels = sorted(folder.glob("*.whl"))
-    if not wheels:
-        raise SystemExit(f"--wheels {folder}: no .whl files there (docs/benchmarks.md says how to make them)")
-    present = {w.name: _installed(_distribution(w)) for w in wheels}
-    todo = [w for w in wheels if present[w.name] is None]
-    target = Path(tempfile.mkdtemp(prefix="gpu_check_site_"))
-    if todo:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                               "--no-cache-dir", "--target", str(target), *map(str, todo)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"--wheels {folder}: pip could not install {[w.name for w in todo]}:\n"
-                             f"{done.stdout}{done.stderr}")
-        sys.path.insert(0, str(target))
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
-        importlib.invalidate_caches()
-    return {"folder": str(folder), "installed": [w.name for w in todo], "target": str(target),
-            "already_present": {name: version for name, version in present.items() if version is not None}}
 
 
 def _import_error(module: str) -> str | None:
@@ -77,15 +39,33 @@ def _import_error(module: str) -> str | None:
     return None
 
 
+def transformers_unsupported() -> str | None:
+    """Why ring_sp's transformers integration cannot run here (no transformers, or one outside
+    its supported range: ``integrations/versions.py``), or None; the ``memory`` and ``step``
+    sections train transformers' Llama through it."""
+    version = installed_version("transformers")
+    if version is not None and in_supported_range("transformers", version):
+        return None
+    return (f"transformers {version or 'is not installed'}: ring_sp's register needs {requirement('transformers')}; "
+            "bring its wheel with --wheels (docs/benchmarks.md)")
+
+
 def missing(sections: list[str]) -> dict[str, str]:
     """What will be skipped and why, per row, found before any section runs."""
     found = {}
     if "kernel_tests" in sections and importlib.util.find_spec("pytest") is None:
         found["kernel_tests"] = "pytest is not installed"
-    if "memory" in sections:
-        reason = _import_error("deepspeed.runtime.sequence_parallel.ulysses_sp")
-        if reason:
-            found["memory_longest ALST"] = f"DeepSpeed's ALST modules: {reason}"
+    models = [name for name in ("memory", "step") if name in sections]  # both train transformers' Llama
+    unsupported = transformers_unsupported() if models else None
+    alst = _import_error("deepspeed.runtime.sequence_parallel.ulysses_sp") if models else None
+    for name in models:
+        if unsupported:
+            found[name] = unsupported
+        if alst:
+            found[f"{name} ALST"] = f"DeepSpeed's ALST modules: {alst}"
+    if "memory" in sections and importlib.util.find_spec("liger_kernel") is None:
+        found["memory ALST's Liger kernels"] = ("liger-kernel is not installed: on a GPU, ALST runs with "
+                                                "transformers' norms and RoPE and DeepSpeed's tiled loss instead")
     return found
 
 
@@ -112,7 +92,7 @@ def card(seam: Seam, command: str, mode: str, caps: dict[str, float], wheels: Re
         "python": platform.python_version(), "commit": _commit(),
         "kernel": get_kernel("auto", dev, seam.dtype, 128).name,
         "flash_attn": unavailable_reason("flash_attn", dev, seam.dtype, 128) or "available",
-        "deepspeed": _installed("deepspeed"), "pytest": _installed("pytest"),
+        "deepspeed": installed_version("deepspeed"), "pytest": installed_version("pytest"),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "caps_s": caps, "wheels": wheels, "missing": skips,
     }
     return record
@@ -130,9 +110,16 @@ def card_markdown(card: Record, elapsed: dict[str, Any]) -> list[str]:
         w = card["wheels"]
         lines.append(f"* Wheels from `{w['folder']}`: installed {', '.join(w['installed']) or 'none'}; "
                      f"already present {', '.join(w['already_present']) or 'none'}.")
+        for name, r in w.get("replaced", {}).items():
+            lines.append(f"* Replaced for this run: {name} {r['installed']} by the carried {r['carried']} ({r['why']}).")
+        for sentence in w.get("unmet", []):
+            lines.append(f"* Unmet requirement: {sentence}.")
     for row, reason in card.get("missing", {}).items():
         lines.append(f"* Skipped: {row}: {reason}.")
     for name, t in elapsed.items():
         lines.append(f"* Section `{name}`: {t['elapsed_s']:.0f} s of its {t['cap_s']:.0f} s cap ({t['status']}); "
                      f"rerun alone: `{t['command']}`.")
     return lines
+
+
+__all__ = ["card", "card_markdown", "install_wheels", "missing", "transformers_unsupported"]

@@ -9,7 +9,11 @@ dry mode (``--dry``) runs the sections' own code on the CPU at tiny sizes:
   creates inside the block, from creation to release), which also stands in for the card's
   capacity: past ``limit_bytes`` it raises :class:`SimulatedOutOfMemory`, so the search for
   the longest sequence that fits runs its whole path on the CPU;
-* timer: CUDA events around the call, or ``time.perf_counter``.
+* timer: CUDA events around the call, or ``time.perf_counter``;
+* profiler: torch.profiler's CUDA kernels by their own device time, or on the CPU its ops
+  by their own CPU time (:meth:`Seam.profile`);
+* the attention every rate is set against: cuDNN's SDPA, or on the CPU its flash SDPA
+  (:meth:`Seam.sdpa_reference`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend
+from torch.profiler import ProfilerActivity, profile
 
 from ..memory import LiveTensorBytes
+
+PROFILE_NAME_CHARS = 100  # kernel names are C++ template instantiations: cut
 
 
 class SimulatedOutOfMemory(RuntimeError):
@@ -93,6 +101,10 @@ class Seam:
         total = torch.cuda.get_device_properties(self.device).total_memory if self.is_cuda else self.dry_capacity
         return total if self._budget is None else min(total, self._budget)
 
+    def device_memory(self) -> int | None:
+        """The card's total memory whatever the budget (what ring_sp's offload prefetch rule reads), None on the CPU."""
+        return torch.cuda.get_device_properties(self.device).total_memory if self.is_cuda else None
+
     @contextmanager
     def budget(self, limit_bytes: int | None) -> Iterator[None]:
         """Hold the process to ``limit_bytes`` (None: no limit) inside the block: CUDA's
@@ -119,6 +131,13 @@ class Seam:
 
     def is_out_of_memory(self, exc: BaseException) -> bool:
         return isinstance(exc, (torch.cuda.OutOfMemoryError, SimulatedOutOfMemory))
+
+    def out_of_memory_record(self, exc: Exception) -> str:
+        """The one line a record keeps of ``exc`` if it is an out-of-memory (the step did not fit);
+        any other exception is raised again."""
+        if not self.is_out_of_memory(exc):
+            raise exc
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"
 
     # -- the memory counter ---------------------------------------------------------------
     @contextmanager
@@ -165,6 +184,35 @@ class Seam:
         self.synchronize()
         times = [self.time(fn) for _ in range(max(1, repeats))]
         return statistics.median(times), times
+
+    # -- the profiler ------------------------------------------------------------------------
+    def profile(self, fn: Callable[[], object], top: int = 8) -> dict:
+        """One call of ``fn`` under torch.profiler: ``{"what", "total_ms", "top": [{"name",
+        "self_ms", "calls", "share"}, ...]}``, the ``top`` CUDA kernels (memory copies and sets
+        included) by their own device time, or on the CPU the ops by their own CPU time;
+        ``total_ms`` sums every one of them."""
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.is_cuda else [])
+        self.synchronize()
+        with profile(activities=activities) as prof:
+            fn()
+            self.synchronize()
+        kind = torch.autograd.DeviceType.CUDA if self.is_cuda else torch.autograd.DeviceType.CPU
+        mine = [e for e in prof.key_averages() if e.device_type == kind]
+        own = (lambda e: e.self_device_time_total) if self.is_cuda else (lambda e: e.self_cpu_time_total)
+        total = sum(own(e) for e in mine)
+        mine.sort(key=own, reverse=True)
+        return {"what": "CUDA kernels by self device time" if self.is_cuda else "CPU ops by self CPU time (dry)",
+                "total_ms": total / 1e3,
+                "top": [{"name": e.key[:PROFILE_NAME_CHARS], "self_ms": own(e) / 1e3, "calls": e.count,
+                         "share": own(e) / total if total else 0.0} for e in mine[:top]]}
+
+    # -- the reference attention ----------------------------------------------------------------
+    def sdpa_reference(self) -> tuple[SDPBackend, str]:
+        """(SDPA backend, its name) every attention rate is set against: cuDNN's on CUDA, the
+        CPU flash SDPA in the dry run (a stand-in: the CPU has no cuDNN)."""
+        if self.is_cuda:
+            return SDPBackend.CUDNN_ATTENTION, "cuDNN SDPA"
+        return SDPBackend.FLASH_ATTENTION, "CPU flash SDPA (dry stand-in for cuDNN SDPA)"
 
 
 class Deadline:

@@ -115,8 +115,11 @@ class RingSPAttention:
                     raise_on_every_rank(exc, q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange,
                                         head_chunks=chunks, **options)
                 self._checked = seen
+            # enable_long_sequence(offload_checkpoints=True) turns the re-run's reuse off (its out + lse would stay
+            # on the device for every layer); None: the default
+            reuse = getattr(module, "ring_sp_reuse_on_recompute", None)
             return hybrid_attention(q, k, v, topology=reg.topology, kv_exchange=reg.kv_exchange, head_chunks=chunks,
-                                    **options), None
+                                    reuse_on_recompute=reuse, **options), None
 
     def mask(self, *, attention_mask: torch.Tensor | None = None, q_length: int = 0, kv_length: int = 0,
              q_offset: Any = 0, config: Any = None, **kwargs: Any) -> torch.Tensor | None:

@@ -17,7 +17,9 @@
 * Lean layers: every RMSNorm keeps only its input and an fp32 rstd per row
   (:mod:`.lean_layers`), on by default with tiling.
 * Offloaded checkpoints: with activation checkpointing on, the hidden state each checkpointed
-  layer keeps lives in host memory (:mod:`ring_sp.offload`).
+  layer keeps lives in host memory (:mod:`ring_sp.offload`), and the attention's re-run in the
+  backward computes again rather than reusing the first run's output (``reuse_on_recompute``:
+  those outputs would stay on the device, one per layer).
 
 Anything the tiling does not know (an MLP or head of another structure) is an error naming
 the module and the switch to turn off; nothing falls back silently. The module classes and
@@ -133,6 +135,10 @@ def enable_long_sequence(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss
         attention = getattr(layer, "self_attn", None)
         if isinstance(attention, nn.Module):
             attention.ring_sp_head_chunks = head_chunks
+            # a checkpointed re-run that reuses the first run's out + lse (ring_sp.recompute) keeps them on the
+            # device for every layer until its backward: with the checkpoints offloaded that would be the step's
+            # largest per-layer term, so the attention runs again instead (as every other layer op does)
+            attention.ring_sp_reuse_on_recompute = False if offload_checkpoints else None
     module.ring_sp_long_sequence = LongSequenceConfig(tiled_mlp, tiled_loss, offload_checkpoints, tile, lean_layers,
                                                       head_chunks)
     if offload_checkpoints:

@@ -106,6 +106,61 @@ def o_proj_input_bytes(model: Transformer, training: Training, *, n: int, ulysse
     return dtype_bytes(training.dtype)[0] * n * model.q_width if ulysses > 1 else 0
 
 
+def _rounded(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def kernel_backward(model: Transformer, training: Training, *, rows: int, heads: int, kv_heads: int) -> float:
+    """Bytes ONE backward call of the attention kernel allocates over ``rows`` queries and keys of
+    ``heads`` q / ``kv_heads`` KV heads: its dq, dk, dv and its own workspace.
+
+    ``attention_kernel="cpu"`` (torch's CPU flash op): the gradients, fp32 for bf16 / fp16 inputs
+    (it computes in fp32), and per-thread scratch only. ``"flash"``: flash-attention 2's backward
+    (``mha_bwd``: Dao-AILab/flash-attention ``csrc/flash_attn/flash_api.cpp``, and PyTorch's port
+    ``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``, which ring_sp's ``torch``
+    backend and SDPA's flash backend call on CUDA): dq, dk, dv in the input dtype, an fp32 dq
+    accumulator ``[b, s_q rounded up to 128, h, d rounded up to 32]``, ``softmax_d`` fp32
+    ``[b, h, s_q rounded]`` and, for GQA, dk and dv expanded to the q heads ``[b, s_k, h, d]`` in
+    the input dtype (summed into dk, dv at the end)."""
+    e, acc = dtype_bytes(training.dtype)
+    d = model.head_dim
+    if training.attention_kernel == "cpu":
+        return acc * rows * d * (heads + 2 * kv_heads)
+    gradients = e * rows * d * (heads + 2 * kv_heads)
+    dq_accum = FP32 * _rounded(rows, 128) * heads * _rounded(d, 32)
+    softmax_d = FP32 * heads * _rounded(rows, 128)
+    expanded = 2 * e * rows * heads * d if heads > kv_heads else 0
+    return gradients + dq_accum + softmax_d + expanded
+
+
+def kernel_workspace(model: Transformer, training: Training, *, n: int, ulysses: int) -> float:
+    """Bytes ring_sp's attention kernel holds in ONE backward call over the rank's largest block
+    (``n x U`` tokens of ``heads / U`` q heads against as many KV rows) beyond the fp32 dq, dk,
+    dv of that block that :func:`attention_memory` counts (:func:`kernel_backward`); 0 for the
+    CPU kernel. The GPU run showed the term: without it ring_sp's one-rank model was 1.21x low
+    wherever a layer's backward, not the loss, was the step's peak (issue 40)."""
+    e, acc = dtype_bytes(training.dtype)
+    rows, heads = n * ulysses, model.heads // ulysses
+    kv_heads = kv_heads_per_rank(model.kv_heads, ulysses)
+    counted = acc * rows * model.head_dim * (heads + 2 * kv_heads)
+    return kernel_backward(model, training, rows=rows, heads=heads, kv_heads=kv_heads) - counted
+
+
+def alst_one_gpu_attention(model: Transformer, training: Training, *, n: int) -> tuple[float, float]:
+    """(kept, backward working) bytes of one layer's attention in ALST's one-GPU recipe
+    (``sequence_parallel_size: 1``: transformers' attention, no all-to-all): the attention keeps
+    q and k after RoPE, v, its output and lse (RoPE, transformers' or Liger's, keeps only cos /
+    sin); o_proj's input is that output itself where the kernel writes it in sequence layout
+    (flash-attention 2), a contiguous copy otherwise (the CPU op). The backward holds dout and one
+    kernel call (:func:`kernel_backward`)."""
+    e, _ = dtype_bytes(training.dtype)
+    q, kv = n * model.q_width, n * model.kv_width
+    out_copy = e * q if training.attention_kernel == "cpu" else 0
+    kept = e * (q + 2 * kv + q) + out_copy + FP32 * n * model.heads
+    working = e * q + kernel_backward(model, training, rows=n, heads=model.heads, kv_heads=model.kv_heads)
+    return kept, working
+
+
 def ring_sp_attention(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int
                       ) -> tuple[float, float]:
     """(kept, backward working) bytes of ring_sp's attention on this rank, q / k / v in sequence
@@ -123,16 +178,26 @@ def ring_sp_attention(model: Transformer, training: Training, *, n: int, ulysses
                            kv_heads=model.kv_heads, head_dim=model.head_dim, dtype=training.dtype)
     chunks = head_chunk_count(model, training, ulysses, n=n, ring=ring)
     o_proj_input = o_proj_input_bytes(model, training, n=n, ulysses=ulysses)
+    workspace = kernel_workspace(model, training, n=n, ulysses=ulysses)
     if chunks == 1:
         # without Ulysses the ring keeps q, k, v (rotation keeps no input); with it the
         # all-to-all keeps nothing and the head-layout copies are in mem.kept
-        return (e * n * (q + 2 * kv) if ulysses == 1 else o_proj_input) + mem.kept, mem.working
+        return (e * n * (q + 2 * kv) if ulysses == 1 else o_proj_input) + mem.kept, mem.working + workspace
     m = kv_heads_per_rank(model.kv_heads, ulysses)
     share = math.ceil(m / chunks) / m  # the largest chunk's share of the rank's heads
     kv_shard = 2 * n * ulysses * m * model.head_dim  # packed [k; v] in head layout, all chunks
     kept = e * n * (2 * q + 2 * kv) + n * model.heads * acc + o_proj_input
-    per_chunk = mem.working + e * (3 * n * q + (kv_shard if ulysses > 1 else 0))
+    per_chunk = mem.working + workspace + e * (3 * n * q + (kv_shard if ulysses > 1 else 0))
     return kept, e * n * (q + 2 * kv) + share * per_chunk
+
+
+def recompute_entry(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int) -> float:
+    """Bytes one checkpointed ring_sp attention keeps on the device from its first run to its
+    backward (:attr:`Training.keeps_recompute_entries`): its out and lse, and the fingerprint; 0 if none."""
+    if not training.keeps_recompute_entries:
+        return 0.0
+    return attention_memory(ulysses=ulysses, ring=ring, batch=1, local_len=n, heads=model.heads,
+                            kv_heads=model.kv_heads, head_dim=model.head_dim, dtype=training.dtype).kept_checkpointed
 
 
 def attention(model: Transformer, training: Training, *, n: int, ulysses: int, ring: int) -> tuple[float, float]:
@@ -140,9 +205,9 @@ def attention(model: Transformer, training: Training, *, n: int, ulysses: int, r
     if training.library == "alst":
         if ring != 1:
             raise PlanError("ALST has no ring: its sequence-parallel degree is the Ulysses size (ring=1)")
-        kept, working = alst_attention_memory(model, n=n, ulysses=ulysses, dtype=training.dtype)
-        e, _ = dtype_bytes(training.dtype)
-        return kept + (e * n * (model.q_width + 2 * model.kv_width) if ulysses == 1 else 0), working
+        if ulysses == 1:
+            return alst_one_gpu_attention(model, training, n=n)
+        return alst_attention_memory(model, n=n, ulysses=ulysses, dtype=training.dtype)
     return ring_sp_attention(model, training, n=n, ulysses=ulysses, ring=ring)
 
 
@@ -245,7 +310,10 @@ def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulys
     e, _ = dtype_bytes(training.dtype)
     h = model.hidden
     tile = mlp_tile(model, training, n)
-    acts = {"hf": 4, "fused": 3, "lean": 4}[pieces(training)] * e * model.ffn  # lean recomputes act and product
+    # lean recomputes act and product; ALST tiles transformers' MLP (ArcticTraining turns Liger's SwiGLU off under
+    # TiledMLP: arctic_training/model/liger_factory.py)
+    mlp_pieces = "hf" if training.library == "alst" and training.tiled_mlp else pieces(training)
+    acts = {"hf": 4, "fused": 3, "lean": 4}[mlp_pieces] * e * model.ffn
     mlp = 2 * e * model.ffn * tile + ((acts * tile + 2 * n * e * h) if training.tiled_mlp else 0)
     mlp += mlp_gradient_sums(model, training)
     if mlp_renormalises(training):  # the tile's norm again, under autograd: its fp32 rows and normalised rows
@@ -256,6 +324,7 @@ def layer_backward_phase(model: Transformer, training: Training, *, n: int, ulys
     return 2 * n * e * h + recompute + max(mlp, att)
 
 
-__all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "attention", "head_chunk_count", "layer_backward_phase",
-           "layer_kept", "liger_chunk", "loss_phase", "loss_tile", "mlp_gradient_sums", "mlp_kept", "mlp_renormalises",
-           "mlp_tile", "norm_kept", "o_proj_input_bytes", "pieces", "ring_sp_attention"]
+__all__ = ["ALST_LOSS_TILE_BYTES", "alst_attention_memory", "alst_one_gpu_attention", "attention", "head_chunk_count",
+           "kernel_backward", "kernel_workspace", "layer_backward_phase", "layer_kept", "liger_chunk", "loss_phase",
+           "loss_tile", "mlp_gradient_sums", "mlp_kept", "mlp_renormalises", "mlp_tile", "norm_kept",
+           "o_proj_input_bytes", "pieces", "recompute_entry", "ring_sp_attention"]

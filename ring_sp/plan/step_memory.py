@@ -12,7 +12,8 @@ rank):
   the modules' saved tensors, :mod:`ring_sp.plan.layer_memory`), or with activation
   checkpointing only each layer's input (on the device, or in host memory with one or two
   layers' worth on the device: two while the runtime prefetches,
-  :meth:`Training.device_checkpoint_layers`);
+  :meth:`Training.device_checkpoint_layers`), and ring_sp's recompute entries where kept
+  (each layer's attention out + lse until its backward, :func:`~.layer_memory.recompute_entry`);
 * the largest transient, over the step's phases (:class:`StepMemory.phase`): the loss, one
   layer's backward and the optimizer update (:mod:`ring_sp.plan.layer_memory`);
 * on the host (:mod:`ring_sp.plan.host_memory`): offloaded checkpoints, optimizer, parameters.
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 from .host_memory import HostMemory, host_memory
 from .layer_memory import (alst_attention_memory, head_chunk_count, layer_backward_phase, layer_kept, loss_phase,
-                           norm_kept)
+                           norm_kept, recompute_entry)
 from .request import PlanError, dtype_bytes
 from .training import Training, alst, long_sequence
 from .transformer import PRESETS, Transformer, model_from
@@ -110,14 +111,18 @@ def step_memory(model: Transformer, training: Training, *, seq_len: int, ulysses
     one_layer = layer_kept(model, training, n=n, ulysses=ulysses, ring=ring)
     if training.checkpointing:
         checkpoint = n * e * model.hidden  # one layer's input
-        on_device = (training.device_checkpoint_layers(checkpoint, memory_bytes) if training.offload_checkpoints
-                     else model.layers)
+        # offloaded: one or two on the device (a second only where a previous layer can be prefetched)
+        on_device = (min(model.layers, training.device_checkpoint_layers(checkpoint, memory_bytes))
+                     if training.offload_checkpoints else model.layers)
         checkpoints, kept, recompute = on_device * checkpoint, 0.0, one_layer
     else:
         checkpoints, kept, recompute = 0.0, model.layers * one_layer, 0.0
+    # ring_sp's recompute entries: every layer's during the loss, the L - 1 not yet used at the first layer backward
+    entry = recompute_entry(model, training, n=n, ulysses=ulysses, ring=ring)
+    checkpoints += (model.layers - 1) * entry
     layer = layer_backward_phase(model, training, n=n, ulysses=ulysses, ring=ring, recompute=recompute)
     optimizer = 0.0 if training.offload_optimizer else 2 * model.largest_param * FP32  # Adam's sqrt / divide temporaries
-    phases = {"loss": loss_phase(model, training, n), "layer backward": layer, "optimizer update": optimizer}
+    phases = {"loss": loss_phase(model, training, n) + entry, "layer backward": layer, "optimizer update": optimizer}
     phase = max(phases, key=phases.get)
     transient = phases[phase] * (1 + training.fragmentation)
     return StepMemory(seq_len, n, params, grads, states, buffers, checkpoints, kept, transient, phase,

@@ -15,6 +15,9 @@ from ..shapes import HEAD_CHUNKS_AUTO, prefetch_checkpoint
 from .request import PlanError, dtype_bytes
 
 
+ATTENTION_KERNELS = ("flash", "cpu")
+
+
 @dataclass(frozen=True)
 class Training:
     """How the step runs. ``zero_stage`` shards over ``zero_ranks`` (None: the SP degree);
@@ -42,7 +45,15 @@ class Training:
     True brings the previous layer's offloaded checkpoint back during a layer's backward (two on
     the device), False each at its own layer's backward (one), None the runtime's auto rule
     (:func:`ring_sp.shapes.prefetch_checkpoint`: prefetch while a checkpoint is at most 1/64 of
-    the GPU's memory).
+    the GPU's memory). ``attention_kernel``: whose backward the attention runs, for the workspace
+    it allocates beyond its gradients (:func:`ring_sp.plan.layer_memory.kernel_workspace`):
+    "flash" (flash-attention 2's backward: ring_sp's ``torch`` backend on CUDA, which calls
+    aten's port of it, its ``flash_attn`` backend, and ALST's attention; the default, a GPU
+    plan) or "cpu" (torch's CPU flash op: fp32 gradients, no per-token workspace; the CPU
+    calibrations). ``reuse_on_recompute`` (ring_sp with checkpointing; None: the runtime's
+    default, on unless ``enable_long_sequence`` offloads the checkpoints, which turns it off):
+    the first run of each checkpointed attention keeps its out + lse on the device until that
+    layer's backward re-runs it (:mod:`ring_sp.recompute`).
     """
 
     dtype: str = "bf16"
@@ -66,6 +77,8 @@ class Training:
     offload_params: bool = False
     pinned_rounding: bool | None = None
     prefetch_checkpoints: bool | None = None
+    attention_kernel: str = "flash"
+    reuse_on_recompute: bool | None = None
 
     def check(self) -> None:
         """Raise :class:`PlanError` naming the first option that cannot be planned, and the fix."""
@@ -74,6 +87,8 @@ class Training:
             raise PlanError(f"zero-stage={self.zero_stage!r} must be 0, 1, 2 or 3")
         if self.kernels not in ("hf", "fused"):
             raise PlanError(f"kernels={self.kernels!r} must be 'hf' or 'fused'")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise PlanError(f"attention-kernel={self.attention_kernel!r} must be one of {ATTENTION_KERNELS}")
         if self.library not in ("ring_sp", "alst"):
             raise PlanError(f"library={self.library!r} must be 'ring_sp' or 'alst'")
         if self.offload_checkpoints and not self.checkpointing:
@@ -98,8 +113,17 @@ class Training:
         if self.library == "alst" and prefetch is not None:
             raise PlanError(f"prefetch-checkpoints={prefetch} is ring_sp's choice; ALST (library='alst') always "
                             f"brings one checkpoint back at a time: drop it or use library='ring_sp'")
+        if self.reuse_on_recompute is not None and not isinstance(self.reuse_on_recompute, bool):
+            raise PlanError(f"reuse-on-recompute={self.reuse_on_recompute!r} must be True, False or None "
+                            f"(the runtime's)")
         if self.pinned_rounding is not None and not isinstance(self.pinned_rounding, bool):
             raise PlanError(f"pinned-rounding={self.pinned_rounding!r} must be True, False or None (the library's)")
+
+    @property
+    def keeps_recompute_entries(self) -> bool:
+        """Whether every checkpointed ring_sp attention keeps its out + lse on the device until its backward."""
+        reuse = self.reuse_on_recompute if self.reuse_on_recompute is not None else not self.offload_checkpoints
+        return self.library == "ring_sp" and self.checkpointing and reuse
 
     @property
     def liger_loss(self) -> bool:
@@ -153,4 +177,4 @@ def long_sequence(reserved_bytes: float = 0.0, *, lean_layers: bool = True,
                     prefetch_checkpoints=prefetch_checkpoints)
 
 
-__all__ = ["HEAD_CHUNKS_AUTO", "Training", "alst", "long_sequence"]
+__all__ = ["ATTENTION_KERNELS", "HEAD_CHUNKS_AUTO", "Training", "alst", "long_sequence"]

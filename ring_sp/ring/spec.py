@@ -21,8 +21,8 @@ from ..kernels import AttentionKernel
 from ..layouts import Boundaries
 from ..schedule import BlockTask, ExchangePlan, KernelCaps, exchange_plan
 from ..schedule_cache import ScheduleCache
-from .calls import CallPlan, Launch, kernel_caps
 from ..spans import Spans
+from .calls import CallPlan, Launch, kernel_caps
 
 
 class RingSpec:
@@ -62,8 +62,7 @@ class RingSpec:
 
         self.schedule, self.recv_rows, self.send_rows, self.calls = (build() if schedules is None
                                                                      else schedules.get(key, build))
-        # (one rank has no ring to relay on: blocks sharing rows, a window's or spans', add up at home)
-        self.relay_dkv = window is None and self.world_size > 1
+        self.relay_dkv = window is None
         # all_gather: the KV of every step is a view of one gathered buffer (ring_sp.ring.kv_exchange)
         self.gather_kv = kv_exchange == "all_gather" and self.world_size > 1
         # One rank whose calls never share a query row: nothing to merge, so no fp32

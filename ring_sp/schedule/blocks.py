@@ -51,8 +51,7 @@ class BlockTask(NamedTuple):
 
     def band(self) -> tuple[int | None, int | None]:
         """``(lo, hi)`` of the mask ``lo < c - a <= hi`` in block coordinates (None: unbounded)."""
-        return (None if self.window is None else self.diagonal - self.window,
-                self.diagonal if self.causal else None)
+        return mask_band(self.causal, self.window, self.diagonal)
 
     def visible_pairs(self) -> int:
         """Number of (query, key) pairs this block computes: its share of the work."""
@@ -67,6 +66,11 @@ class BlockTask(NamedTuple):
                 return w * (w + 1) // 2 + m * w
             return nq * w + m * (m + 1) // 2 + m * (w - 1)  # rows a >= w see n - a + w - 1 keys
         return nq * (nq + 1) // 2 if self.causal else nq * nk
+
+
+def mask_band(causal: bool, window: int | None, diagonal: int) -> tuple[int | None, int | None]:
+    """``(lo, hi)`` of a block's mask ``lo < c - a <= hi`` (:class:`BlockTask`; None: unbounded)."""
+    return (None if window is None else diagonal - window, diagonal if causal else None)
 
 
 def band_pairs(nq: int, nk: int, lo: int | None, hi: int | None) -> int:
@@ -99,8 +103,7 @@ def bottom_right_window(nq: int, nk: int, causal: bool, window: int | None, diag
     right bound is ``>= nk`` yet still hides keys from the first rows: flash-attention turns a
     right window ``>= seqlen_k`` into "unbounded"; the schedule splits those bands) and for one
     with rows that see no key (flash-attention's lse is +inf there, ours -inf)."""
-    lo = None if window is None else diagonal - window
-    hi = diagonal if causal else None
+    lo, hi = mask_band(causal, window, diagonal)
     shift = nk - nq  # the bottom-right diagonal: c - a = nk - nq
     right = None if hi is None else hi - shift
     left = None if lo is None else shift - lo - 1

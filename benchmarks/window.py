@@ -41,7 +41,7 @@ import torch.distributed as dist
 import ring_sp
 from ring_sp.plan import BACKWARD_FLOP_RATIO, dtype_bytes, layer_bytes
 from ring_sp.ring import RingSpec
-from ring_sp.schedule import ExchangePlan, exchange_plan
+from ring_sp.schedule import ExchangePlan, exchange_plan, row_count
 
 from .launch import launcher, sp_group
 
@@ -55,7 +55,7 @@ LINKS = {"NVLink 450 GB/s": 450e9, "IB 50 GB/s": 50e9}
 
 def _full_rotation(plan_: ExchangePlan, local_len: int) -> ExchangePlan:
     """The same blocks, every shard to every rank at every step."""
-    whole = ((0, local_len),) * len(plan_.schedule)
+    whole = (((0, local_len),),) * len(plan_.schedule)
     return ExchangePlan(plan_.schedule, whole, whole)
 
 
@@ -80,7 +80,7 @@ def modelled(seq_len: int, window: int, ranks: int, layout: str, bandwidth: floa
         backward = sum(max(BACKWARD_FLOP_RATIO * compute[t], kv[t + 1] + dkv[t]) for t in range(ranks))
         return forward + backward + max(dkv)
 
-    halo_rows = [0.0] + [max(((b - a) / chunk for p in plans for a, b in [p.recv_rows[t] or (0, 0)]), default=0.0)
+    halo_rows = [0.0] + [max((row_count(p.recv_rows[t]) / chunk for p in plans), default=0.0)
                          for t in range(1, ranks)]
     full_rows = [0.0] + [1.0] * (ranks - 1)
     full_bytes = (ranks - 1) * shard * (2 + acc / elem)  # KV forward and backward, fp32 partials home

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .layouts import LAYOUTS
+from .layouts import LAYOUT_CHOICES
 from .shapes import HEAD_CHUNKS_AUTO
 from .validation import BACKENDS, KV_EXCHANGES
 
@@ -84,7 +84,7 @@ class CallSignature:
         dtype = q.dtype if isinstance(q, torch.Tensor) else None
         device = q.device.type if isinstance(q, torch.Tensor) else "?"
         values = (*shape(q), *shape(k), *shape(v), code(dtype, _DTYPES), code(device, ("cpu", "cuda")),
-                  int(causal is True), code(layout, LAYOUTS), code(backend, BACKENDS), _scale_bits(softmax_scale), ulysses_size, ring_size,
+                  int(causal is True), code(layout, LAYOUT_CHOICES), code(backend, BACKENDS), _scale_bits(softmax_scale), ulysses_size, ring_size,
                   -1 if cu_seqlens is None else len(cu_seqlens), _masks_checksum(cu_seqlens, spans), *_sinks_code(sinks),
                   _window_code(sliding_window), code(kv_exchange, KV_EXCHANGES), _chunks_code(head_chunks))
         text = (f"q {shape(q)}, k {shape(k)}, v {shape(v)}, dtype {dtype}, device {device}, causal={causal!r}, "
@@ -292,7 +292,7 @@ def _describe_shard(values: tuple[int, ...]) -> str:
     if all(v == -1 for v in values):
         return "; a shard without a ring_sp fingerprint (hand-built)"
     length, layout, batch = values
-    name = LAYOUTS[layout] if 0 <= layout < len(LAYOUTS) else layout
+    name = LAYOUT_CHOICES[layout] if 0 <= layout < len(LAYOUT_CHOICES) else layout
     return f"; shard of a global batch of {length} tokens (checksum {batch}) cut with layout={name!r}"
 
 

@@ -29,9 +29,10 @@ import torch.distributed as dist
 from .agreement import CallSignature, agree, validation_requested
 from .function import UlyssesSpec, sequence_parallel_attention
 from .kernels import get_kernel
-from .layouts import Boundaries, as_boundaries, check_layout, ulysses_to_ring_reorder
+from .layouts import AUTO, DOCUMENT_LAYOUTS, Boundaries, as_boundaries, check_boundaries, check_layout, ulysses_to_ring_reorder
 from .plan.exchange_choice import choose_kv_exchange
 from .plan.head_chunk_choice import choose_head_chunks
+from .plan.layout_choice import resolve_layout
 from .recompute import plan as recompute_plan
 from .recompute import reuse_requested
 from .ring import RingSpec, ring_comm_for
@@ -76,9 +77,13 @@ def _prepare(
     check_options(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend)
     check_sliding_window(sliding_window, causal)
     u, r = _size(ulysses_group), _size(ring_group)
-    check_local_length(layout, q.shape[1], u * r)
     global_len = q.shape[1] * u * r
-    if cu_seqlens is not None or layout == "document_zigzag":
+    if layout == AUTO:  # the batch's placement, as shard_batch chose it from the same documents
+        if cu_seqlens is not None:
+            check_boundaries(cu_seqlens, global_len)
+        layout = resolve_layout(layout, cu_seqlens, u * r)
+    check_local_length(layout, q.shape[1], u * r)
+    if cu_seqlens is not None or layout in DOCUMENT_LAYOUTS:
         check_layout(layout, u * r, global_len, name="the global length (q.shape[1] x SP size)", cu_seqlens=cu_seqlens)
     if spans is not None:
         check_spans(spans, global_len, cu_seqlens, causal=causal)

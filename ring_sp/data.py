@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from .agreement import CallSignature, raise_together
-from .layouts import (LAYOUTS, Boundaries, as_boundaries, check_boundaries, check_layout, layout_index, layout_key, rank_positions,
-                      padded_length)
-from .sequence_shards import shard_sequence
+from .layouts import (AUTO, DOCUMENT_LAYOUTS, LAYOUT_CHOICES, Boundaries, as_boundaries, check_boundaries, check_layout,
+                      layout_index, layout_key, layout_unit, padded_length, rank_positions)
+from .plan.layout_choice import choose_layout
+from .sequence_shards import resolved_layout, shard_sequence
 from .spans import as_spans, check_spans
 
 IGNORE_INDEX = -100
@@ -87,6 +88,7 @@ def shard_positions_error(position_ids: torch.Tensor, *, layout: str, rank: int,
     n = position_ids.shape[-1]
     boundaries = as_boundaries(cu_seqlens)
     try:
+        layout = resolved_layout(layout, boundaries, n * world_size, world_size)
         check_layout(layout, world_size, n * world_size, name=f"{where}'s global length", cu_seqlens=boundaries)
         expected = shard_positions(layout, world_size, n * world_size, boundaries, rank, position_ids.device)
     except (TypeError, ValueError) as exc:
@@ -117,7 +119,7 @@ def sharded_together(group: dist.ProcessGroup | None, batch: object, layout: obj
     if group is not None and dist.is_initialized() and torch.utils.data.get_worker_info() is None:
         ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
         dims = tuple(ids.shape) if isinstance(ids, torch.Tensor) and ids.dim() == 2 else (-1, -1)
-        code = LAYOUTS.index(layout) if layout in LAYOUTS else -1
+        code = LAYOUT_CHOICES.index(layout) if layout in LAYOUT_CHOICES else -1
         signature = CallSignature.named("shard", (code, *dims), f"shard_batch(input_ids {dims}, layout={layout!r})")
         device = ids.device if isinstance(ids, torch.Tensor) else torch.device("cpu")
         raise_together(group, signature, error, validate=validate, device=device)
@@ -178,9 +180,7 @@ def shard_batch(
     span_pairs = as_spans(spans)
     if span_pairs is not None:
         check_spans(span_pairs, n, real)
-    padded = padded_length(n, layout, world_size)
-    if padded > n and (real is not None or layout != "document_zigzag"):  # document_zigzag needs documents
-        boundaries = (real if real is not None else (0, n)) + (padded,)  # the padding: a document of its own
+    layout, padded, boundaries = _placed(layout, world_size, n, real)
     check_layout(layout, world_size, padded, name="batch['input_ids'].shape[1] (padded)", cu_seqlens=boundaries)
     full = dict(batch)
     labels = full.get("labels", input_ids)
@@ -201,6 +201,25 @@ def shard_batch(
     if span_pairs is not None:
         out["spans"] = torch.tensor(span_pairs, dtype=torch.int64, device=input_ids.device).view(-1, 2)
     return out
+
+
+def _placed(layout: str, world_size: int, n: int, real: Boundaries | None) -> tuple[str, int, Boundaries | None]:
+    """(layout, padded length, boundaries) of a batch of ``n`` tokens with documents ``real``: the
+    length rounded up to the layout's unit, the padding a document of its own. ``"auto"``:
+    ``zigzag`` for a batch without documents whose length needs no padding; else the padded
+    documents (the batch one document when it had none) and the placement
+    :func:`ring_sp.plan.layout_choice.choose_layout` picks for them, which the attention,
+    given the same ``cu_seqlens`` and ``layout="auto"``, picks alike."""
+    if layout == AUTO:
+        if real is None and n % layout_unit("zigzag", world_size) == 0:
+            return "zigzag", n, None
+        padded = padded_length(n, "document_balanced", world_size)
+        boundaries = (real if real is not None else (0, n)) + ((padded,) if padded > n else ())
+        return choose_layout(boundaries, world_size), padded, boundaries
+    padded = padded_length(n, layout, world_size)
+    if padded > n and (real is not None or layout not in DOCUMENT_LAYOUTS):  # the document layouts need documents
+        return layout, padded, (real if real is not None else (0, n)) + (padded,)  # the padding: a document of its own
+    return layout, padded, real
 
 
 def _pad_tail(value: torch.Tensor, count: int, fill: int, *, positions: bool) -> torch.Tensor:

@@ -38,9 +38,13 @@ from collections.abc import Sequence
 import torch
 
 # Reorder and Boundaries are imported from here by the runtime (ring_sp.function, ring_sp.ulysses, ...)
+from .placement import document_placement
 from .runs import Boundaries, Reorder, ShardRuns, document_slot_starts, memoised, sorted_reorder
 
-LAYOUTS = ("contiguous", "zigzag", "striped", "document_zigzag")
+LAYOUTS = ("contiguous", "zigzag", "striped", "document_zigzag", "document_balanced")
+DOCUMENT_LAYOUTS = ("document_zigzag", "document_balanced")  # defined by the documents: they need cu_seqlens
+AUTO = "auto"  # a layout chosen per batch (ring_sp.plan.layout_choice.resolve_layout)
+LAYOUT_CHOICES = LAYOUTS + (AUTO,)  # what the user-facing entry points take
 
 
 
@@ -105,8 +109,8 @@ def check_layout(layout: str, world_size: int, seq_len: int, *, name: str = "seq
         )
     if cu_seqlens is not None:
         check_boundaries(cu_seqlens, seq_len)
-    if layout == "document_zigzag" and cu_seqlens is None:
-        raise ValueError("layout='document_zigzag' needs cu_seqlens (the document boundaries); pass cu_seqlens=")
+    if layout in DOCUMENT_LAYOUTS and cu_seqlens is None:
+        raise ValueError(f"layout={layout!r} needs cu_seqlens (the document boundaries); pass cu_seqlens=")
 
 
 @memoised(documents=64)  # a rank's schedule asks for every ring rank's runs
@@ -129,6 +133,13 @@ def _shard_runs(layout: str, ulysses_size: int, ring_size: int, seq_len: int, ri
         chunk = seq_len // (2 * p)
         return runs([slots[0] * chunk, slots[2] * chunk], [u * chunk, u * chunk])
     assert cu_seqlens is not None  # check_layout ran
+    if layout == "document_balanced":  # the ring rank holds its U members' shards (the placement's runs)
+        members = document_placement(cu_seqlens, p).runs[r * u:(r + 1) * u]
+        if u == 1:
+            return members[0]
+        start, length = torch.cat([m.start for m in members]), torch.cat([m.length for m in members])
+        order = start.argsort()
+        return ShardRuns(start[order], length[order])
     a, a_end, b, b_end = document_slot_starts(cu_seqlens, p, slots)
     return ShardRuns(torch.stack((a, b), 1).flatten(), torch.stack((a_end - a, b_end - b), 1).flatten())
 
@@ -138,11 +149,18 @@ def _checked(layout: str, ulysses_size: int, ring_size: int, seq_len: int, rank:
     """Validate a shard's arguments; the boundaries as the caches key them."""
     if ulysses_size < 1:
         raise ValueError(f"ulysses_size={ulysses_size} must be >= 1")
+    if not 0 <= rank < ring_size:
+        raise ValueError(f"{rank_name}={rank} must be in [0, {ring_size}) (the ranks of the layout)")
+    boundaries = cu_seqlens if isinstance(cu_seqlens, tuple) else as_boundaries(cu_seqlens)
+    return _checked_layout(layout, ulysses_size, ring_size, seq_len, boundaries)
+
+
+@memoised(plain=64, documents=64)  # the schedule asks for every ring rank's runs: check each packing once
+def _checked_layout(layout: str, ulysses_size: int, ring_size: int, seq_len: int,
+                    cu_seqlens: Boundaries | None) -> Boundaries | None:
     boundaries = as_boundaries(cu_seqlens)
     check_grid_layout(layout, ulysses_size, ring_size)
     check_layout(layout, ulysses_size * ring_size, seq_len, cu_seqlens=boundaries)
-    if not 0 <= rank < ring_size:
-        raise ValueError(f"{rank_name}={rank} must be in [0, {ring_size}) (the ranks of the layout)")
     return layout_key(layout, boundaries)
 
 
@@ -186,8 +204,8 @@ def layout_positions(layout: str, world_size: int, seq_len: int,
 
 
 def layout_key(layout: str, boundaries: Boundaries | None) -> Boundaries | None:
-    """Only document_zigzag depends on the documents: keep the caches of the others small."""
-    return boundaries if layout == "document_zigzag" else None
+    """Only the document layouts depend on the documents: keep the caches of the others small."""
+    return boundaries if layout in DOCUMENT_LAYOUTS else None
 
 
 @memoised()

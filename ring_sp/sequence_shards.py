@@ -15,7 +15,19 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .layouts import Boundaries, as_boundaries, check_layout, layout_index, layout_key, ulysses_to_ring_reorder
+from .layouts import (AUTO, Boundaries, as_boundaries, check_boundaries, check_layout, layout_index, layout_key,
+                      ulysses_to_ring_reorder)
+from .plan.layout_choice import choose_layout
+
+
+def resolved_layout(layout: str, boundaries: Boundaries | None, global_len: int, world_size: int) -> str:
+    """``layout``, or the placement ``"auto"`` stands for with these documents (checked first):
+    ``zigzag`` without, else :func:`ring_sp.plan.layout_choice.choose_layout`'s."""
+    if layout != AUTO:
+        return layout
+    if boundaries is not None:
+        check_boundaries(boundaries, global_len)
+    return choose_layout(boundaries, world_size)
 
 
 def shard_sequence(x: torch.Tensor, *, rank: int, world_size: int, layout: str = "zigzag", dim: int = 1,
@@ -31,6 +43,7 @@ def shard_sequence(x: torch.Tensor, *, rank: int, world_size: int, layout: str =
         raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
     dim = dim % x.dim()
     boundaries = as_boundaries(cu_seqlens)
+    layout = resolved_layout(layout, boundaries, x.shape[dim], world_size)
     check_layout(layout, world_size, x.shape[dim], name=f"x.shape[{dim}]", cu_seqlens=boundaries)
     return x.index_select(dim, layout_index(layout, world_size, x.shape[dim], layout_key(layout, boundaries), rank, x.device))
 
@@ -48,6 +61,7 @@ def unshard_sequence(shards: torch.Tensor, *, layout: str = "zigzag", dim: int =
     concatenated = torch.cat(shards.unbind(0), dim=dim)
     total = concatenated.shape[dim]
     boundaries = as_boundaries(cu_seqlens)
+    layout = resolved_layout(layout, boundaries, total, world_size)
     check_layout(layout, world_size, total, name="total sequence length", cu_seqlens=boundaries)
     # all ranks as one Ulysses group: the same reorder of runs (O(P x runs), no index per token)
     order = ulysses_to_ring_reorder(layout, world_size, 1, total, 0, concatenated.device, layout_key(layout, boundaries))

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .layouts import LAYOUTS
+from .layouts import LAYOUT_CHOICES
 from .shapes import HEAD_CHUNKS_AUTO, divisors, kv_heads_per_rank
 
 _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -89,8 +89,8 @@ def check_options(*, causal: object, layout: object, softmax_scale: object, back
     """The non-tensor options shared by every attention entry point."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool; got {_describe(causal)}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if layout not in LAYOUT_CHOICES:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUT_CHOICES}")
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if softmax_scale is not None:

@@ -303,18 +303,18 @@ class _ShardSummingGrads(torch.autograd.Function):
     gradcheck exact; the naive wrapper is off by the world size (DESIGN.md section 9)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, rank: int, world_size: int, layout: str, group) -> torch.Tensor:
-        ctx.meta = (rank, world_size, layout, group, x.shape)
-        return ring_sp.shard_sequence(x, rank=rank, world_size=world_size, layout=layout)
+    def forward(ctx, x: torch.Tensor, rank: int, world_size: int, layout: str, group, cu_seqlens=None) -> torch.Tensor:
+        ctx.meta = (rank, world_size, layout, group, cu_seqlens)
+        return ring_sp.shard_sequence(x, rank=rank, world_size=world_size, layout=layout, cu_seqlens=cu_seqlens)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        rank, world_size, layout, group, shape = ctx.meta
+        rank, world_size, layout, group, cu_seqlens = ctx.meta
         parts = [torch.zeros_like(grad) for _ in range(world_size)]
         parts[rank] = grad
-        full = ring_sp.unshard_sequence(torch.stack(parts), layout=layout)
+        full = ring_sp.unshard_sequence(torch.stack(parts), layout=layout, cu_seqlens=cu_seqlens)
         dist.all_reduce(full, group=group)
-        return full, None, None, None, None
+        return full, None, None, None, None, None
 
 
 class _SumGradsOverRanks(torch.autograd.Function):
@@ -335,10 +335,11 @@ class _SumGradsOverRanks(torch.autograd.Function):
 
 def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring: int = 1,
                    window: int | None = None, *, sinks: bool = False, d_v: int | None = None,
-                   spans: list[tuple[int, int]] | None = None) -> bool:
+                   spans: list[tuple[int, int]] | None = None, cu_seqlens: tuple[int, ...] | None = None) -> bool:
     """Slow-mode float64 gradcheck of the whole distributed function on every rank
     (``window``: its ``sliding_window``; ``sinks``: their gradient too; ``d_v``: v's head size;
-    ``spans``: bidirectional spans of the ``2 x SP`` tokens)."""
+    ``spans``: bidirectional spans of the ``2 x SP`` tokens; ``cu_seqlens``: their documents,
+    ``2 x SP`` tokens in all)."""
     topo = topology(ulysses, ring) if mode == "hybrid" else None
     sp_rank, sp_size = (topo.sp_rank, topo.sp_size) if topo else (dist.get_rank(), dist.get_world_size())
     group = topo.sp_group if topo else None
@@ -351,9 +352,11 @@ def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring:
                                                                              sliding_window=window)
     if spans is not None:
         options["spans"] = spans
+    if cu_seqlens is not None:
+        options["cu_seqlens"] = cu_seqlens
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        shard = lambda x: _ShardSummingGrads.apply(x, sp_rank, sp_size, layout, group)  # noqa: E731
+        shard = lambda x: _ShardSummingGrads.apply(x, sp_rank, sp_size, layout, group, cu_seqlens)  # noqa: E731
         q, k, v = shard(q), shard(k), shard(v)
         extra = {"sinks": _SumGradsOverRanks.apply(rest[0], group)} if rest else {}
         if mode == "ring":
@@ -362,7 +365,9 @@ def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring:
             out = ring_sp.ulysses_attention(q, k, v, **options, **extra)
         else:
             out = ring_sp.hybrid_attention(q, k, v, topology=topo, **options, **extra)
-        return topo.gather_sequence(out, layout=layout) if topo else ring_sp.gather_sequence(out, layout=layout)
+        if topo:
+            return topo.gather_sequence(out, layout=layout, cu_seqlens=cu_seqlens)
+        return ring_sp.gather_sequence(out, layout=layout, cu_seqlens=cu_seqlens)
 
     names = ("q", "k", "v", "sinks") if sinks else ("q", "k", "v")
     leaves = tuple(inputs[name].clone().requires_grad_() for name in names)

@@ -63,9 +63,9 @@ def measure(u: int, r: int, b: int, n: int, h: int, h_kv: int, d: int, dtype: st
 def test_bytes_and_calls_match_the_design(pools, u: int, r: int, h: int, h_kv: int, dtype: str, d_v: int | None) -> None:
     b, n, d = 2, 8, 16
     results = pools.get(4).run(measure, u, r, b, n, h, h_kv, d, dtype, d_v)
-    fwd, bwd = layer_bytes(ulysses=u, ring=r, batch=b, local_len=n, heads=h, kv_heads=h_kv, head_dim=d,
-                           dtype="bf16" if dtype == "bfloat16" else "fp32", value_head_dim=d_v)
-    for res in results:
+    for rank, res in enumerate(results):  # ring rank rank // U (Ulysses-inner placement)
+        fwd, bwd = layer_bytes(ulysses=u, ring=r, batch=b, local_len=n, heads=h, kv_heads=h_kv, head_dim=d,
+                               dtype="bf16" if dtype == "bfloat16" else "fp32", value_head_dim=d_v, ring_rank=rank // u)
         assert res["fwd"] == fwd and res["bwd"] == bwd
         # nothing but the designed collectives: R-1 (fwd) / 2R-1 (bwd) exchanges, 3 all-to-alls each way,
         # and in every forward one small all_gather (the agreement, on by default: issue 31)

@@ -30,11 +30,15 @@ def test_ring_backward_peak_at_the_planner_minimum(pools) -> None:
     inbox, the [dK; dV] double buffer), on the ring (R = 4: two inbox slots) and the grid
     (U = 2 x R = 2). Holding a second block's gradients (the old backward) measured 1.17x at R = 2."""
     modes = [Mode("ring zigzag", "ring", "zigzag"), Mode("hybrid U=2", "hybrid", "zigzag", 2)]
+    peaks: dict[str, list[int]] = {}
     for per_rank in pools.get(4).run(activation_case, PROBLEM, modes, timeout=300):
         for mode in modes:
-            measured, minimum = per_rank[mode.name]["plain"], model_peak_bytes(mode, PROBLEM, 4)
+            measured = per_rank[mode.name]["plain"]
             assert measured["kept_bytes"] == _attention_memory(mode, PROBLEM, 4).kept, mode
-            assert minimum <= measured["peak_bytes"] <= 1.05 * minimum, (mode, measured, minimum)
+            peaks.setdefault(mode.name, []).append(measured["peak_bytes"])
+    for mode in modes:  # the model is the most loaded rank's (rank 0 reads every shard whole)
+        minimum = model_peak_bytes(mode, PROBLEM, 4)
+        assert minimum <= max(peaks[mode.name]) <= 1.05 * minimum, (mode, peaks[mode.name], minimum)
 
 
 def test_ulysses_peak_at_most_deepspeeds(pools) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import ring_sp
 from dist_cases import AttnCase, check_attention_cases, random_documents
 
-LAYOUTS = ("contiguous", "zigzag", "striped", "document_zigzag")
+LAYOUTS = ("contiguous", "zigzag", "striped", "document_zigzag", "document_balanced")
 
 
 def _cases(mode: str, u: int, r: int, layouts=LAYOUTS) -> list[AttnCase]:
@@ -37,7 +37,7 @@ def test_packed_ulysses(pools) -> None:
 
 @pytest.mark.parametrize("u,r", [(2, 2), (1, 4), (4, 1)])
 def test_packed_grid(pools, u: int, r: int) -> None:
-    layouts = ("zigzag", "contiguous", "document_zigzag") + (("striped",) if u == 1 or r == 1 else ())
+    layouts = ("zigzag", "contiguous", "document_zigzag", "document_balanced") + (("striped",) if u == 1 or r == 1 else ())
     pools.get(4).run(check_attention_cases, _cases("hybrid", u, r, layouts), timeout=600)
 
 

@@ -29,7 +29,7 @@ CASES = [
     (dict(q=torch.randn(2, 8, 3, 16)), ValueError, r"q heads \(3\) must be a multiple of k/v heads \(2\)"),
     (dict(q=torch.randn(2, 0, 4, 16)), ValueError, r"q has an empty dimension: shape \(2, 0, 4, 16\)"),
     (dict(causal=1), TypeError, r"causal must be a bool; got int 1"),
-    (dict(layout="zig-zag"), ValueError, r"layout='zig-zag' is not one of \('contiguous', 'zigzag', 'striped', 'document_zigzag'\)"),
+    (dict(layout="zig-zag"), ValueError, r"layout='zig-zag' is not one of \('contiguous', 'zigzag', 'striped', 'document_zigzag', 'document_balanced', 'auto'\)"),
     (dict(backend="xformers"), ValueError, r"backend='xformers' is not one of"),
     (dict(backend="cudnn"), RuntimeError, r"backend='cudnn' is unavailable: backend='cudnn' needs CUDA tensors"),
     (dict(softmax_scale=-1.0), ValueError, r"softmax_scale=-1.0 must be finite and > 0"),

@@ -270,8 +270,9 @@ def count_window_traffic(layout: str, window: int, n: int, dtype: str) -> dict:
                                                  ("zigzag", 3, 2), ("contiguous", 1, 0), ("striped", 16, 3)])
 def test_halo_bytes_per_rank(pools, layout: str, window: int, limit: int) -> None:
     """C21: forward KV bytes per rank <= ``limit`` packed shards (the full ring sends 3; the
-    halo is the W - 1 rows a partner reads), the planner's per-rank model equals the count,
-    and steps with nothing to compute on either side post no exchange at all."""
+    halo is the W - 1 rows a partner reads, the whole shard once that is 90% of it), the
+    planner's per-rank model equals the count, and steps with nothing to compute on either
+    side post no exchange at all."""
     n, world_size, dtype = 16, 4, "bfloat16"
     shard = 2 * 2 * n * 2 * 16 * 2  # packed [k; v]: 2 x batch 2 x n x 2 KV heads x 16 x bf16
     for res in pools.get(world_size).run(count_window_traffic, layout, window, n, dtype):
@@ -279,7 +280,8 @@ def test_halo_bytes_per_rank(pools, layout: str, window: int, limit: int) -> Non
         fwd, bwd = layer_bytes(ulysses=1, ring=world_size, batch=2, local_len=n, heads=8, kv_heads=2, head_dim=16,
                                dtype="bf16", layout=layout, sliding_window=window, ring_rank=rank)
         assert res["fwd"] == fwd and res["bwd"] == bwd, (rank, res, fwd, bwd)
-        halo = shard if layout == "striped" else shard // n * min(n, window - 1)  # striped: every rank holds some
+        read = min(n, window - 1)
+        halo = shard if layout == "striped" or read * 10 >= n * 9 else shard // n * read  # striped: every rank holds some
         assert res["fwd"].get("ring_kv", 0) <= limit * halo
         plan_ = exchange_plan(layout, True, rank, world_size, n, window=window)
         exchanging = sum(plan_.sends[t] or plan_.receives[t] for t in range(1, world_size))

@@ -14,7 +14,7 @@ which :mod:`.efficiency` sets against one fused kernel.
   ranks ran: ``dk = returned + store`` (:func:`ring_grads`). The two routes of
   :mod:`ring_sp.ring.grad_exchange`: the relayed accumulator (offset ``+1``; its ``i``-th
   send holds this rank's blocks of shard ``r - i``, since what it received was zero) and the
-  window's partials sent straight home (offset ``-t``: rows ``recv_rows[t]`` of shard ``r - t``).
+  partials sent straight home along the KV's rows (offset ``-t``: rows ``recv_rows[t]`` of shard ``r - t``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from ring_sp.comm import PendingExchange
 from ring_sp.kernels import AttentionKernel, softmax_stat_dtype
 from ring_sp.ring import RingSpec, ring_backward, ring_forward
+from ring_sp.ring.rows import MessageRows
 
 
 class GradStore:
@@ -37,14 +38,16 @@ class GradStore:
         self.dk = [torch.zeros(k.shape, dtype=self.dtype, device=k.device) for k in ks]
         self.dv = [torch.zeros(v.shape, dtype=self.dtype, device=v.device) for v in vs]
 
-    def add(self, owner: int, first_row: int, packed: torch.Tensor) -> None:
-        """Add one packed ``[dk; dv]`` message (any dtype) at rows ``first_row...`` of ``owner``'s shard."""
-        b, _, h, d = self.dk[owner].shape
+    def add(self, owner: int, rows: MessageRows | None, packed: torch.Tensor) -> None:
+        """Add one packed ``[dk; dv]`` message (any dtype) at ``rows`` of ``owner``'s shard (None: all of it)."""
+        b, n, h, d = self.dk[owner].shape
         d_v = self.dv[owner].shape[3]
-        rows = packed.numel() // (b * h * (d + d_v))
-        split = b * rows * h * d
-        self.dk[owner][:, first_row:first_row + rows] += packed[:split].view(b, rows, h, d)
-        self.dv[owner][:, first_row:first_row + rows] += packed[split:split + b * rows * h * d_v].view(b, rows, h, d_v)
+        count = packed.numel() // (b * h * (d + d_v))
+        rows = rows or MessageRows(((0, n),), n)
+        split = b * count * h * d
+        dtype = self.dk[owner].dtype
+        rows.add_to(self.dk[owner], packed[:split].view(b, count, h, d).to(dtype))
+        rows.add_to(self.dv[owner], packed[split:split + b * count * h * d_v].view(b, count, h, d_v).to(dtype))
 
 
 class Loopback:
@@ -64,20 +67,21 @@ class Loopback:
                  offset: int = 1) -> PendingExchange:
         if kind == "ring_kv":
             if recv is not None:
-                source, (a, b) = (self.rank - offset) % self.world_size, self.recv_rows[offset]
-                k, v = self.ks[source][:, a:b], self.vs[source][:, a:b]
-                recv[:k.numel()].view_as(k).copy_(k)
-                recv[k.numel():].view_as(v).copy_(v)
+                source, rows = (self.rank - offset) % self.world_size, self.recv_rows[offset]
+                k, v = self.ks[source], self.vs[source]
+                size = k.shape[0] * rows.count * k.shape[2] * k.shape[3]
+                rows.gather(k, recv[:size].view(k.shape[0], rows.count, *k.shape[2:]))
+                rows.gather(v, recv[size:].view(v.shape[0], rows.count, *v.shape[2:]))
         elif kind == "ring_dkv":
             if recv is not None:
                 recv.zero_()
             if send is not None and self.store is not None:
                 if offset > 0:  # the relayed accumulator: its i-th send carries shard r - i, whole
-                    owner, first = (self.rank - self.relayed) % self.world_size, 0
+                    owner, rows = (self.rank - self.relayed) % self.world_size, None
                     self.relayed += 1
-                else:  # a window's partial, straight home: rows recv_rows[t] of shard r - t
-                    owner, first = (self.rank + offset) % self.world_size, self.recv_rows[-offset][0]
-                self.store.add(owner, first, send)
+                else:  # a partial, straight home: rows recv_rows[t] of shard r - t
+                    owner, rows = (self.rank + offset) % self.world_size, self.recv_rows[-offset]
+                self.store.add(owner, rows, send)
         else:
             raise ValueError(f"the loopback stands in for the ring's 'ring_kv' and 'ring_dkv' exchanges; got {kind!r}")
         return PendingExchange([])

@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from ..layouts import DOCUMENT_LAYOUTS
 from .layer_time import candidate
 from .presets import nominal_cluster
 from .request import DTYPES, Cluster, ModelShape, Workload
@@ -30,7 +31,7 @@ def choose_kv_exchange(*, ulysses: int, ring: int, batch: int, local_len: int, h
     name = next(key for key, value in DTYPES.items() if value == dtype and len(key) <= 4)
     model = ModelShape(heads, kv_heads, head_dim, heads * head_dim, 1, value_head_dim)
     work = Workload(local_len * ulysses * ring, batch, name, causal, ulysses * ring, sliding_window)
-    shape = "zigzag" if layout == "document_zigzag" else layout  # the same causal balance, no documents modelled
+    shape = "zigzag" if layout in DOCUMENT_LAYOUTS else layout  # the same causal balance, no documents modelled
     seconds = {x: candidate(ulysses, ring, "ulysses_inner", shape, cluster, model, work, ulysses * ring, x).layer_s
                for x in ("ring", "all_gather")}
     # as plan(): within 1% the model cannot tell, and the ring holds less

@@ -36,6 +36,7 @@ import functools
 
 import torch
 
+from ..layouts import DOCUMENT_LAYOUTS
 from ..shapes import head_chunk_options
 from .layer_cost import attention_memory
 from .layer_time import candidate
@@ -99,7 +100,7 @@ def choose_head_chunks(*, ulysses: int, ring: int, batch: int, local_len: int, h
     sp = ulysses * ring
     model = ModelShape(heads, kv_heads, head_dim, heads * head_dim, 1, value_head_dim)
     work = Workload(local_len * sp, batch, name, causal, sp, sliding_window)
-    shape = "zigzag" if layout == "document_zigzag" else layout  # the same causal balance, no documents modelled
+    shape = "zigzag" if layout in DOCUMENT_LAYOUTS else layout  # the same causal balance, no documents modelled
     layer_s = candidate(ulysses, ring, "ulysses_inner", shape, cluster, model, work, sp, kv_exchange).layer_s
     calls = fixed_calls(ulysses, ring, kv_exchange)
     rows = batch * local_len * ulysses  # query rows a ring rank holds after the all-to-all

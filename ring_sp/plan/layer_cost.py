@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedule import exchange_plan
+from ..schedule import exchange_plan, row_count
 from ..shapes import FINGERPRINT_BYTES, kv_heads_per_rank
 from .request import dtype_bytes
 
 def ring_halo_rows(layout: str, ring: int, chunk: int, window: int | None, ring_rank: int,
                    causal: bool = True) -> tuple[int, int]:
-    """(KV rows ring rank ``ring_rank`` sends, dK/dV partial rows it sends home) in one layer
-    with a sliding ``window`` (``chunk`` = N / R tokens per ring rank), summed over the steps:
-    the rows its partners read (:func:`ring_sp.schedule.exchange_plan`)."""
+    """(KV rows ring rank ``ring_rank`` sends, dK/dV partial rows it sends home) in one layer,
+    with or without a sliding ``window`` (``chunk`` = N / R tokens per ring rank), summed over
+    the steps: the rows its partners read, and the rows it read of theirs
+    (:func:`ring_sp.schedule.exchange_plan`)."""
     plan_ = exchange_plan(layout, causal, ring_rank, ring, chunk, None, window)
-    rows = lambda spans: sum(b - a for a, b in (r for r in spans[1:] if r is not None))  # noqa: E731
-    return rows(plan_.send_rows), rows(plan_.recv_rows)
+    return sum(map(row_count, plan_.send_rows[1:])), sum(map(row_count, plan_.recv_rows[1:]))
 
 
 def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
@@ -34,18 +34,18 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
 
     ``local_len`` = N / (U * R) tokens per rank. Ulysses: each all-to-all keeps ``1/U`` of its
     input; KV heads travel packed, replicated when ``U > kv_heads`` (their gradients then
-    return in fp32). Ring: ``R - 1`` exchanges of the packed ``[k; v]`` shard of ``N / R``
-    tokens forward and backward, plus ``R`` exchanges of its ``[dk; dv]`` accumulator: fp32
-    while it collects, the input dtype on the last hop home (fp32 again when replicated).
-    ``value_head_dim`` (None = ``head_dim``): v, out and dout carry it, q/k/dq ``head_dim``;
-    a packed KV message holds ``head_dim + value_head_dim`` per KV head and token.
+    return in fp32). ``value_head_dim`` (None = ``head_dim``): v, out and dout carry it,
+    q/k/dq ``head_dim``; a packed KV message holds ``head_dim + value_head_dim`` per KV head and token.
 
-    With a ``sliding_window`` shorter than N (``layout`` and ``causal`` then matter) the ring
-    part is the halo: the packed rows a rank's partners read go only to them, and each fp32
-    dK/dV partial of those rows straight home (:func:`ring_halo_rows`), for ring rank ``ring_rank``
-    or, when None, each kind's maximum over the ring ranks (a bound for every rank; with
-    contiguous, rank 0 sends the only KV shard and rank 1 the only partial). Kinds with
-    nothing sent are left out.
+    Ring (``layout`` and ``causal`` matter, and a ``sliding_window`` shorter than N): at each of
+    the ``R - 1`` steps, forward and again backward, the packed ``[k; v]`` rows a partner reads
+    go to it (the whole shard of ``N / R`` tokens when it reads 90% of it or more). In backward,
+    with a window, the fp32 dK/dV partial of the rows a rank read goes straight home
+    (:func:`ring_halo_rows`); without one its ``[dk; dv]`` accumulator makes ``R`` hops, fp32
+    while it collects, the input dtype on the last hop home (fp32 again when replicated).
+    Rows are those of ring rank ``ring_rank`` or, when None, each kind's maximum over the ring
+    ranks (a bound for every rank: with causal zigzag, rank 0 receives whole shards and sends
+    half ones). Kinds with nothing sent are left out.
 
     ``kv_exchange="all_gather"``: every rank's packed KV shard reaches the ``R - 1`` others,
     forward and again in backward (``allgather_kv``), and the fp32 ``[dk; dv]`` partials of
@@ -69,24 +69,23 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
         fwd["ulysses_a2a_out"] = bwd["ulysses_a2a_dout"] = a2a(out_elems, elem)
         fwd["ulysses_a2a_kv"] = a2a(kv_elems, elem)
         bwd["ulysses_a2a_dkv"] = a2a(kv_elems, acc if replicated else elem)
-    windowed = sliding_window is not None and sliding_window < local_len * ulysses * ring
+    window = sliding_window if sliding_window is not None and sliding_window < local_len * ulysses * ring else None
     if ring > 1 and kv_exchange == "all_gather":
         kv_shard = batch * local_len * ulysses * m * (head_dim + d_v)
         fwd["allgather_kv"] = bwd["allgather_kv"] = (ring - 1) * kv_shard * elem
         bwd["reduce_scatter_dkv"] = (ring - 1) * kv_shard * acc
-    elif ring > 1 and windowed:
+    elif ring > 1:
         kv_row = batch * m * (head_dim + d_v)  # elements of one packed [k; v] token
-        counts = {r: ring_halo_rows(layout, ring, local_len * ulysses, sliding_window, r, causal) for r in range(ring)}
+        counts = {r: ring_halo_rows(layout, ring, local_len * ulysses, window, r, causal) for r in range(ring)}
         kv_rows, dkv_rows = counts[ring_rank] if ring_rank is not None else (
             max(c[0] for c in counts.values()), max(c[1] for c in counts.values()))
         if kv_rows:
             fwd["ring_kv"] = bwd["ring_kv"] = kv_rows * kv_row * elem
-        if dkv_rows:
+        if window is not None and dkv_rows:  # partials straight home
             bwd["ring_dkv"] = dkv_rows * kv_row * acc
-    elif ring > 1:
-        kv_shard = batch * local_len * ulysses * m * (head_dim + d_v)
-        fwd["ring_kv"] = bwd["ring_kv"] = (ring - 1) * kv_shard * elem
-        bwd["ring_dkv"] = (ring - 1) * kv_shard * acc + kv_shard * (acc if replicated else elem)
+        elif window is None:  # the relayed accumulator: R - 1 fp32 hops, the last home in the input dtype
+            kv_shard = kv_row * local_len * ulysses
+            bwd["ring_dkv"] = (ring - 1) * kv_shard * acc + kv_shard * (acc if replicated else elem)
     return fwd, bwd
 
 
@@ -100,10 +99,12 @@ class AttentionMemory:
     same under activation checkpointing, where ring_sp keeps only out + lse for the re-run
     (``reuse_on_recompute``; nothing with it off). ``working``: what the backward holds on
     top (its minimum: the benchmark measures at most 1.05x it): the fp32 dq accumulator,
-    the ring's own packed KV shard and its inbox (one slot at ``R = 2``, else two), the fp32
-    [dK; dV] double buffer, ONE block's gradients (each block's are added before the next
-    block runs; the largest, zigzag's first step, is one q shard + one KV shard in fp32),
-    and with Ulysses the head-sharded dout and the dk/dv of the all-to-all.
+    the ring's own packed KV shard and its inbox (one slot at ``R = 2``, else two), causal
+    zigzag's staged first chunk (the half a later rank reads), the fp32 [dK; dV] double
+    buffer, ONE block's gradients (each block's are added before the next block runs; the
+    largest, zigzag's first step, is one q shard + one KV shard in fp32), and with Ulysses
+    the head-sharded dout and the dk/dv of the all-to-all. Figures are the most loaded ring
+    rank's (rank 0, which reads every shard whole).
     """
 
     kept: int
@@ -112,7 +113,8 @@ class AttentionMemory:
 
 
 def attention_memory(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int,
-                     head_dim: int, dtype: str, kv_exchange: str = "ring") -> AttentionMemory:
+                     head_dim: int, dtype: str, kv_exchange: str = "ring", layout: str = "zigzag",
+                     causal: bool = True) -> AttentionMemory:
     """:class:`AttentionMemory` of one layer on one rank (``local_len`` = N / (U * R)).
     ``kv_exchange="all_gather"``: the backward holds the ``R`` gathered KV shards and ``R``
     fp32 ``[dK; dV]`` partials (plus the reduce-scattered one) instead of double buffers."""
@@ -131,6 +133,8 @@ def attention_memory(*, ulysses: int, ring: int, batch: int, local_len: int, hea
             # this rank's own packed [k; v] (sent to r + t at every step) and the inbox: one slot
             # at R = 2, else two (the next step's KV arrives while this step's is computed with)
             working += (1 + min(2, ring - 1)) * kv_shard * elem + 2 * kv_shard * acc  # + [dK; dV] double buffer
+            if causal and layout == "zigzag":  # a later rank reads the first chunk only: staged for its message
+                working += kv_shard // 2 * elem
         working += q_elems * acc + kv_shard * acc  # one block's gradients (each is added before the next runs)
     else:
         working += kv_shard * acc  # dk, dv

@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from ..grid import rank_grid
-from ..schedule import exchange_plan, ring_step_tasks
+from ..schedule import exchange_plan, ring_step_tasks, row_count
 from ..shapes import kv_heads_per_rank
 from .layer_cost import attention_memory, layer_bytes
 from .request import Cluster, ModelShape, Workload, dtype_bytes
@@ -143,8 +143,7 @@ def _window_ring_seconds(layout: str, ring: int, chunk: int, window: int, flops_
     compute = [max(sum(t.visible_pairs() for t in p.schedule[step]) for p in plans) * flops_per_pair / flops
                for step in range(ring)]
     # the fraction of a shard the largest message of each step carries (0: no message)
-    moves = [0.0] + [max((b - a) / chunk for p in plans if p.recv_rows[step] is not None
-                         for a, b in [p.recv_rows[step]]) if any(p.receives[step] for p in plans) else 0.0
+    moves = [0.0] + [max(row_count(p.recv_rows[step]) / chunk for p in plans)
                      for step in range(1, ring)] + [0.0]
     fwd = sum(max(compute[t], kv_s * moves[t + 1]) for t in range(ring))
     bwd_transfer = [kv_s * moves[t + 1] + dkv_s * moves[t] for t in range(ring)]

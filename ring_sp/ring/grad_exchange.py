@@ -1,12 +1,16 @@
 """The gradient side of the ring backward: where the dK/dV partials of each block go.
 
 ``dq`` stays local (:mod:`.loops`); the dK/dV partials take one of three routes, a pure
-choice per call. The full ring relays an fp32 ``[dk; dv]`` accumulator with its shard, home
-after ``R`` sends, the last hop in the input dtype (:class:`RelayedGrads`,
-:attr:`RingSpec.relay_dkv`); a sliding window sends each fp32 partial straight home to
-``r - t``, where the owner sums them and rounds once, so it talks to its halo partners only
-(:class:`DirectGrads`). With ``kv_exchange="all_gather"`` the partials of every source are
-added into one fp32 buffer and reduce-scattered home at the end (:class:`GatheredGrads`).
+choice per call that every rank makes alike. Packed documents or a sliding window: each
+step's fp32 partial, for the rows of ``r - t``'s KV the step read, goes straight home to
+``r - t`` (the KV message reversed: same rows, same partners, nothing where nothing was
+read), where the owner sums them and rounds once (:class:`DirectGrads`). Otherwise every
+rank reads most of every shard, and one fp32 ``[dk; dv]`` accumulator is relayed with its
+shard, home after ``R`` sends, the last hop in the input dtype (:class:`RelayedGrads`,
+:attr:`RingSpec.relay_dkv`): two fp32 buffers, where the direct route would hold the
+owner's sum, two staged partials and an inbox. With ``kv_exchange="all_gather"`` the
+partials of every source are added into one fp32 buffer and reduce-scattered home at the
+end (:class:`GatheredGrads`).
 
 Each route takes, per step, :meth:`begin`, :meth:`add` for each kernel call as the kernel returns
 its gradients, :meth:`end`; :meth:`finish` hands the owner its dk and dv.
@@ -37,7 +41,9 @@ class RelayedGrads:
         self.pending: PendingExchange | None = None
 
     def begin(self, step: int) -> None:
-        pass  # the accumulator is awaited lazily, at the first block's gradients
+        # the accumulator is awaited lazily, at the first block's gradients; their keys are rows
+        # of this step's message, which holds the rows recv_rows[step] of the shard
+        self.rows = self.spec.recv_rows[step]
 
     def _arrived(self) -> None:
         if self.pending is not None:  # the accumulator of the KV we now hold arrives
@@ -46,10 +52,11 @@ class RelayedGrads:
             self.dkv, self.dkv_next = self.dkv_next, self.dkv
 
     def add(self, keys: slice, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
-        """A call's dk/dv partials for ``keys`` of the KV now held."""
+        """A call's dk/dv partials for ``keys`` of the KV now held (rows of its message)."""
         self._arrived()
-        self.dkv.k[:, keys] += dk_b
-        self.dkv.v[:, keys] += dv_b
+        assert self.rows is not None  # blocks only where rows arrived
+        self.rows.add_to(self.dkv.k, dk_b, keys)
+        self.rows.add_to(self.dkv.v, dv_b, keys)
 
     def end(self, step: int) -> None:
         self._arrived()  # a step without blocks still relays the accumulator it received
@@ -65,9 +72,9 @@ class RelayedGrads:
 
 
 class DirectGrads:
-    """The sliding window's dK/dV route: the fp32 partial for the rows of rank ``r - t``'s
-    KV used at step ``t`` goes straight home (one message per halo partner), and this rank
-    adds the partials for its own rows as they arrive from ``r + t``; rounded once, by the owner.
+    """The dK/dV route of ring messages: the fp32 partial for the rows of rank ``r - t``'s KV
+    used at step ``t`` goes straight home (one message per partner that read something), and
+    this rank adds the partials for its own rows as they arrive from ``r + t``; rounded once, by the owner.
     The previous step's exchange is awaited at the step's first block (or its end), after compute."""
 
     def __init__(self, spec: RingSpec, shape: KVShape, rows: int, acc_dtype: torch.dtype,
@@ -86,8 +93,8 @@ class DirectGrads:
             if rows is not None:  # rank + step computed with these rows of our KV: their partial arrived
                 partial = self.mail.received(step)
                 assert partial is not None
-                self.home.k[:, rows[0]:rows[1]] += partial.k
-                self.home.v[:, rows[0]:rows[1]] += partial.v
+                rows.add_to(self.home.k, partial.k)
+                rows.add_to(self.home.v, partial.v)
             self.pending = None
 
     def begin(self, step: int) -> None:
@@ -129,13 +136,10 @@ class GatheredGrads:
     def begin(self, step: int) -> None:
         source = (self.spec.rank - step) % self.spec.world_size
         self.into = self.shape.view(self.partials[source * self.size:(source + 1) * self.size], self.rows)
-        rows = self.spec.recv_rows[step]
-        self.first = 0 if step == 0 or rows is None else rows[0]  # key slices are relative to the rows used
 
     def add(self, keys: slice, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
-        kv = slice(keys.start + self.first, keys.stop + self.first)
-        self.into.k[:, kv] += dk_b
-        self.into.v[:, kv] += dv_b
+        self.into.k[:, keys] += dk_b  # gathered KV: the schedule reads each shard where it is
+        self.into.v[:, keys] += dv_b
 
     def end(self, step: int) -> None:
         pass  # everything goes home in one reduce-scatter at the end

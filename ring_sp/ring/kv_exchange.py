@@ -2,12 +2,15 @@
 
 k and v share one flat buffer (:class:`KVShape`, :class:`PackedKV`), so a value head size
 different from k's (MLA) travels in the same single message. With ``kv_exchange="ring"``
-(:class:`Mail`), at step ``t`` every rank sends its OWN shard to ``r + t`` and receives
-rank ``r - t``'s (the same bytes and calls per step as relaying neighbour to neighbour),
+(:class:`Mail`), at step ``t`` every rank sends to ``r + t`` the rows of its OWN shard that
+``r + t`` reads and receives those of rank ``r - t`` it reads (:func:`ring_sp.schedule.message_rows`:
+the whole shard, sent as it is, or its needed ranges, staged by :class:`~.rows.MessageRows`),
 posted before the previous step's compute into a double buffer; a pair of ranks with
-nothing to compute exchanges nothing, which with a sliding window leaves only the halo
-partners (one or two), and those send only the rows the partner reads. The same mail,
-reversed, takes a window's dK/dV partials home (:class:`~.grad_exchange.DirectGrads`).
+nothing to compute exchanges nothing (a sliding window leaves only the halo partners, whole
+documents no partner at all). Direct point-to-point at offset ``t`` rather than a relay
+neighbour to neighbour: a row only some ranks read then crosses one link once, where a relay
+would carry it through every rank between (``benchmarks/packed.py`` counts both). The same
+mail, reversed, takes the dK/dV partials home (:class:`~.grad_exchange.DirectGrads`).
 
 ``kv_exchange="all_gather"`` (:attr:`RingSpec.gather_kv`): the KV of step ``t`` comes from
 one all-gather of every rank's packed shard instead (:class:`GatheredKV`), posted before
@@ -21,11 +24,12 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import PendingExchange
+from .rows import MessageRows
 from .spec import RingSpec
 
 
-def _span(rows: tuple[int, int] | None) -> int:
-    return 0 if rows is None else rows[1] - rows[0]
+def _span(rows: MessageRows | None) -> int:
+    return 0 if rows is None else rows.count
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ class Mail:
     """The messages of one pass in one direction. Step ``t`` receives rows ``recv_rows[t]``
     of rank ``r - t``'s shard into one of two inbox slots (``t % 2``; the other one may still
     be computed with) and sends rows ``send_rows[t]`` of ``own`` to ``r + t``: ``own`` itself
-    when whole (the full ring), else a staged copy. ``reverse`` swaps the two directions
+    when whole, else staged (:class:`~.rows.MessageRows`). ``reverse`` swaps the two directions
     (partials go home to ``r - t``)."""
 
     def __init__(self, spec: RingSpec, own: PackedKV | None, kind: str, shape: KVShape, dtype: torch.dtype,
@@ -103,7 +107,7 @@ class Mail:
         self.inbound, self.outbound = (spec.send_rows, spec.recv_rows) if reverse else (spec.recv_rows, spec.send_rows)
         arriving = [_span(r) for r in self.inbound[1:]]
         self.inbox = _Slots(min(2, sum(map(bool, arriving))), shape, arriving, dtype, device)
-        staged = [_span(r) for r in self.outbound[1:] if r is not None and (own is None or _span(r) != own.rows)]
+        staged = [_span(r) for r in self.outbound[1:] if r is not None and (own is None or not r.whole)]
         self.stage = _Slots(2 if reverse else 1, shape, staged, dtype, device)
 
     def received(self, step: int) -> PackedKV | None:
@@ -119,15 +123,15 @@ class Mail:
         if step >= self.spec.world_size or (self.inbound[step] is None and self.outbound[step] is None):
             return None
         send = None
-        if self.outbound[step] is not None:
+        rows = self.outbound[step]
+        if rows is not None:
             send = message
             if send is None:  # own rows, staged unless whole; the stage's last send was waited on
                 assert self.own is not None  # the forward direction always has its own shard
-                a, b = self.outbound[step]
-                send = self.own if b - a == self.own.rows else self.stage.view(step, b - a)
+                send = self.own if rows.whole else self.stage.view(step, rows.count)
                 if send is not self.own:
-                    send.k.copy_(self.own.k[:, a:b])
-                    send.v.copy_(self.own.v[:, a:b])
+                    rows.gather(self.own.k, send.k)
+                    rows.gather(self.own.v, send.v)
         recv = self.received(step) if self.inbound[step] is not None else None
         assert self.spec.comm is not None  # world_size > 1 here
         return self.spec.comm.exchange(None if send is None else send.buf, None if recv is None else recv.buf,
@@ -148,15 +152,12 @@ class GatheredKV:
         self.pending: PendingExchange | None = spec.comm.all_gather(self.flat, own.buf, "allgather_kv")
 
     def received(self, step: int) -> PackedKV | None:
-        """Rows ``recv_rows[step]`` of rank ``r - step``'s shard (the schedule's key slices are
-        relative to them), as views of the gathered buffer; None where the step computes nothing."""
-        rows = self.spec.recv_rows[step]
-        if rows is None:
+        """Rank ``r - step``'s whole shard, a view of the gathered buffer (the schedule of gathered
+        KV reads it where it is); None where the step computes nothing."""
+        if self.spec.recv_rows[step] is None:
             return None
         source = (self.spec.rank - step) % self.spec.world_size
-        shard = self.shape.view(self.flat[source * self.size:(source + 1) * self.size], self.rows)
-        a, b = rows
-        return PackedKV(shard.buf, shard.k[:, a:b], shard.v[:, a:b])
+        return self.shape.view(self.flat[source * self.size:(source + 1) * self.size], self.rows)
 
     def post(self, step: int) -> PendingExchange | None:
         """The gather, handed out once: the loop waits on it at the end of step 0."""

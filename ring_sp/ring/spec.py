@@ -10,6 +10,7 @@ costly part of a call, so it is built once per distinct problem and reused from 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -19,10 +20,11 @@ import torch.distributed as dist
 from ..comm import PendingExchange, RingComm
 from ..kernels import AttentionKernel
 from ..layouts import Boundaries
-from ..schedule import BlockTask, ExchangePlan, KernelCaps, exchange_plan
+from ..schedule import BlockTask, ExchangePlan, KernelCaps, RowSet, exchange_plan
 from ..schedule_cache import ScheduleCache
 from ..spans import Spans
 from .calls import CallPlan, Launch, kernel_caps
+from .rows import message_rows
 
 
 class RingSpec:
@@ -53,49 +55,70 @@ class RingSpec:
         # kernel's capabilities decide how bands are cut and how blocks group into calls.
         caps = kernel_caps(kernel)
         planner = self.exchange_planner
+        # all_gather: the KV of every step is a view of one gathered buffer (ring_sp.ring.kv_exchange)
+        self.gather_kv = kv_exchange == "all_gather" and self.world_size > 1
         key = (layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window, caps, ulysses_size,
-               planner, spans)
+               planner, spans, self.gather_kv)
 
         def build() -> tuple:
             return _ring_schedule(planner, layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
-                                  caps, ulysses_size, spans)
+                                  caps, ulysses_size, spans, self.gather_kv)
 
         self.schedule, self.recv_rows, self.send_rows, self.calls = (build() if schedules is None
                                                                      else schedules.get(key, build))
-        self.relay_dkv = window is None
-        # all_gather: the KV of every step is a view of one gathered buffer (ring_sp.ring.kv_exchange)
-        self.gather_kv = kv_exchange == "all_gather" and self.world_size > 1
+        # The dK/dV route (ring_sp.ring.grad_exchange), alike on every rank: partials straight
+        # home along the KV's rows where documents or a window leave most rows unread, else
+        # one accumulator relayed around the ring (whole shards, two fp32 buffers).
+        self.relay_dkv = window is None and cu_seqlens is None
         # One rank whose calls never share a query row: nothing to merge, so no fp32
         # accumulators (the Ulysses-only case; documents give one call, or one block per document).
         self.local = self.world_size == 1 and self.calls.rows_disjoint(0)
-
-    def steps(self, device: torch.device) -> enumerate[tuple[Launch, ...]]:
-        """(step, its kernel calls on ``device``) for every step of the ring."""
-        return enumerate(self.calls.launches(device))
 
     def rotate(self, send: torch.Tensor, recv: torch.Tensor, kind: str) -> PendingExchange:
         """Neighbour exchange (the relayed dK/dV accumulator): send -> rank + 1, recv <- rank - 1."""
         assert self.comm is not None  # only called when world_size > 1
         return self.comm.exchange(send, recv, kind)
 
+    def steps(self, device: torch.device) -> enumerate[tuple[Launch, ...]]:
+        """(step, its kernel calls on ``device``) for every step of the ring."""
+        return enumerate(self.calls.launches(device))
+
+
 
 def _ring_schedule(planner: Callable[..., ExchangePlan], layout: str, causal: bool, rank: int, world_size: int,
                    local_len: int, cu_seqlens: Boundaries | None, window: int | None, caps: KernelCaps,
-                   ulysses_size: int, spans: Spans | None) -> tuple:
-    """(schedule, recv_rows, send_rows, calls) of :class:`RingSpec` (see :func:`ring_sp.schedule.exchange_plan`)."""
+                   ulysses_size: int, spans: Spans | None, gather_kv: bool) -> tuple:
+    """(schedule, recv_rows, send_rows, calls) of :class:`RingSpec` (see :func:`ring_sp.schedule.exchange_plan`).
+    A message holds only rows ``recv_rows[t]`` of the sender's shard, one range after the other:
+    the blocks' key slices are moved into the message's rows. Gathered KV holds every shard
+    whole: its steps read the rows where they are."""
     plan = planner(layout, causal, rank, world_size, local_len, cu_seqlens, window, caps.bands,
                    ulysses_size=ulysses_size, spans=spans)
-    # A message holds only rows recv_rows[t] of the sender's shard: key slices relative to them.
-    schedule = tuple(
-        tasks if step == 0 or not tasks or plan.recv_rows[step][0] == 0
-        else tuple(_kv_shifted(t, -plan.recv_rows[step][0]) for t in tasks)
-        for step, tasks in enumerate(plan.schedule)
-    )
-    return schedule, plan.recv_rows, plan.send_rows, CallPlan(schedule, caps)
+    recv_rows, send_rows = plan.recv_rows, plan.send_rows
+    if gather_kv:
+        whole = ((0, local_len),)
+        recv_rows = tuple(None if rows is None else whole for rows in recv_rows)
+        send_rows = tuple(None if rows is None else whole for rows in send_rows)
+    schedule = tuple(tasks if step == 0 or not tasks else _in_message(tasks, recv_rows[step])
+                     for step, tasks in enumerate(plan.schedule))
+    return schedule, message_rows(recv_rows, local_len), message_rows(send_rows, local_len), CallPlan(schedule, caps)
 
 
-def _kv_shifted(task: BlockTask, offset: int) -> BlockTask:
-    return task._replace(kv=slice(task.kv.start + offset, task.kv.stop + offset))
+def _in_message(tasks: tuple[BlockTask, ...], rows: RowSet) -> tuple[BlockTask, ...]:
+    """``tasks`` with their key slices moved from the shard's rows to a message of ``rows``
+    (each block's keys lie inside one range: the ranges are the blocks' keys, merged)."""
+    if rows[0] == (0, rows[0][1]) and len(rows) == 1:
+        return tasks
+    starts = [a for a, _ in rows]
+    shifts, at = [], 0
+    for a, b in rows:
+        shifts.append(at - a)
+        at += b - a
+    moved = []
+    for task in tasks:
+        shift = shifts[bisect.bisect_right(starts, task.kv.start) - 1]
+        moved.append(task._replace(kv=slice(task.kv.start + shift, task.kv.stop + shift)))
+    return tuple(moved)
 
 
 def ring_comm_for(group: dist.ProcessGroup | None) -> RingComm | None:

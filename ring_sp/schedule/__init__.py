@@ -12,9 +12,9 @@ the pairs the mask needs.
 
 from .blocks import BlockTask, bottom_right_window, interval_blocks, ring_step_tasks
 from .calls import KernelCall, KernelCaps, step_calls
-from .documents import document_zigzag_steps, packed_step_tasks
+from .documents import document_steps, document_zigzag_steps, packed_step_tasks
 from .pairs import PairCount, call_pairs, mask_pairs, rank_pair_count
-from .ring_pass import ExchangePlan, Rows, causal_work_per_rank, exchange_plan, step_tasks
+from .ring_pass import ExchangePlan, Rows, RowSet, causal_work_per_rank, exchange_plan, message_rows, row_count, step_tasks
 from .spans import span_step_tasks
 from .windows import band_blocks, window_step_tasks
 
@@ -24,17 +24,21 @@ __all__ = [
     "KernelCall",
     "KernelCaps",
     "PairCount",
+    "RowSet",
     "Rows",
     "band_blocks",
     "bottom_right_window",
     "call_pairs",
     "causal_work_per_rank",
+    "document_steps",
     "document_zigzag_steps",
     "exchange_plan",
     "interval_blocks",
     "mask_pairs",
+    "message_rows",
     "packed_step_tasks",
     "rank_pair_count",
+    "row_count",
     "ring_step_tasks",
     "span_step_tasks",
     "step_calls",

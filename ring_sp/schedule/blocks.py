@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..layouts import LAYOUTS
+from ..layouts import DOCUMENT_LAYOUTS, LAYOUTS
 
 
 class BlockTask(NamedTuple):
@@ -144,8 +144,8 @@ def ring_step_tasks(layout: str, causal: bool, rank: int, source: int, local_len
         if source <= rank:
             return (BlockTask(whole, whole, True),)
         return (BlockTask(slice(1, n), slice(0, n - 1), True),) if n > 1 else ()
-    if layout == "document_zigzag":
-        raise ValueError("layout='document_zigzag' needs cu_seqlens: use step_tasks / packed_step_tasks")
+    if layout in DOCUMENT_LAYOUTS:
+        raise ValueError(f"layout={layout!r} needs cu_seqlens: use step_tasks / packed_step_tasks")
     raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
 
 

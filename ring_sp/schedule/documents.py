@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layouts import Boundaries, shard_runs
+from ..layouts import DOCUMENT_LAYOUTS, Boundaries, shard_runs
 from ..runs import ShardRuns, memoised
 from .blocks import BlockTask, interval_blocks, ring_step_tasks, shifted
 
@@ -119,10 +119,10 @@ class _ShardRuns:
 
 
 @memoised(documents=64)  # keyed by the documents (a new packing can come every step) and the ring rank
-def _ring_runs(ulysses_size: int, ring_size: int, seq_len: int, cu_seqlens: Boundaries, ring_rank: int) -> _ShardRuns:
-    """:class:`_ShardRuns` of ring rank ``ring_rank``'s shard of ``document_zigzag``: O(documents)."""
-    return _ShardRuns.of(shard_runs("document_zigzag", ulysses_size, ring_size, seq_len, ring_rank, cu_seqlens),
-                         cu_seqlens)
+def _ring_runs(layout: str, ulysses_size: int, ring_size: int, seq_len: int, cu_seqlens: Boundaries,
+               ring_rank: int) -> _ShardRuns:
+    """:class:`_ShardRuns` of ring rank ``ring_rank``'s shard of a document layout: O(documents)."""
+    return _ShardRuns.of(shard_runs(layout, ulysses_size, ring_size, seq_len, ring_rank, cu_seqlens), cu_seqlens)
 
 
 _new_tuple = tuple.__new__
@@ -205,51 +205,64 @@ def matching_pairs(q_ids: torch.Tensor, kv_ids: torch.Tensor) -> tuple[torch.Ten
     return qi, lo[qi] + torch.arange(qi.numel()) - (counts.cumsum(0) - counts)[qi]
 
 
-def _document_zigzag_steps(causal: bool, runs: Callable[[int], _ShardRuns], rank: int,
-                           sources: list[int]) -> list[tuple[BlockTask, ...]]:
-    """The blocks of ring rank ``rank`` against the KV shard of each of ``sources``, from the
-    ring shards' runs; vectorised over the runs of every source at once (a step's blocks
-    are a few per document, and a Python loop over them would cost more than the layer)."""
+def _pair_steps(causal: bool, runs: Callable[[int], _ShardRuns], documents: int,
+                pairs: list[tuple[int, int]]) -> list[tuple[BlockTask, ...]]:
+    """The blocks of each ``(query rank, key rank)`` pair, from the ring shards' runs; vectorised
+    over the runs of every pair at once (a step's blocks are a few per document, and a Python
+    loop over them would cost more than the layer). ``documents``: how many there are."""
     steps: dict[int, tuple[BlockTask, ...]] = {}
-    q = runs(rank)
-    for source in sources:
+    for at, (rank, source) in enumerate(pairs):
         if source == rank or not causal:  # per document, all of its queries against all of its keys
             # on the diagonal the local order is the global order: one square causal block per document
-            q_docs, q_start, q_stop = q.doc_spans()
+            q_docs, q_start, q_stop = runs(rank).doc_spans()
             kv_docs, kv_start, kv_stop = runs(source).doc_spans()
             shared = torch.isin(q_docs, kv_docs)
-            at = torch.searchsorted(kv_docs, q_docs[shared])
-            steps[source] = _tasks_of((q_start[shared], q_stop[shared], kv_start[at], kv_stop[at],
-                                       torch.full_like(at, int(causal))))[0]
-    others = [s for s in sources if s not in steps]
+            kv_at = torch.searchsorted(kv_docs, q_docs[shared])
+            steps[at] = _tasks_of((q_start[shared], q_stop[shared], kv_start[kv_at], kv_stop[kv_at],
+                                   torch.full_like(kv_at, int(causal))))[0]
+    others = [at for at in range(len(pairs)) if at not in steps]
     if others:
-        # every (query run, key run) pair of one document, cut in global coordinates, then made local
-        kv = [runs(s) for s in others]
-        kv_doc = torch.cat([r.doc for r in kv])
-        by_doc = torch.argsort(kv_doc, stable=True)
-        kv_doc = kv_doc[by_doc]
-        kv_start, kv_stop, kv_local = (torch.cat([getattr(r, f) for r in kv])[by_doc] for f in ("start", "stop", "local"))
-        kv_source = torch.tensor(others).repeat_interleave(torch.tensor([r.doc.numel() for r in kv]))[by_doc]
-        qi, ki = matching_pairs(q.doc, kv_doc)
-        (qa, qb, ka, kb, flag), pair = _interval_pieces(q.start[qi], q.stop[qi], kv_start[ki], kv_stop[ki])
-        q_shift, kv_shift = (q.local - q.start)[qi[pair]], (kv_local - kv_start)[ki[pair]]
-        merged, source = _merged((qa + q_shift, qb + q_shift, ka + kv_shift, kb + kv_shift, flag), kv_source[ki[pair]])
-        found = torch.unique_consecutive(source).tolist()  # sources sharing no document get no block
+        # every (query run, key run) pair of one document and one rank pair, cut in global
+        # coordinates, then made local; keys: (rank pair, document), so one match serves all pairs
+        q_parts, kv_parts = [runs(pairs[at][0]) for at in others], [runs(pairs[at][1]) for at in others]
+
+        def joined(parts: list[_ShardRuns]) -> tuple[torch.Tensor, ...]:
+            pair = torch.arange(len(parts)).repeat_interleave(torch.tensor([r.doc.numel() for r in parts]))
+            return (pair, pair * (documents + 1) + torch.cat([r.doc for r in parts]),
+                    *(torch.cat([getattr(r, f) for r in parts]) for f in ("start", "stop", "local")))
+
+        _, q_key, q_start, q_stop, q_local = joined(q_parts)
+        kv_pair, kv_key, kv_start, kv_stop, kv_local = joined(kv_parts)
+        by_key = torch.argsort(kv_key, stable=True)
+        kv_pair, kv_key, kv_start, kv_stop, kv_local = (t[by_key] for t in (kv_pair, kv_key, kv_start, kv_stop, kv_local))
+        qi, ki = matching_pairs(q_key, kv_key)
+        (qa, qb, ka, kb, flag), pair = _interval_pieces(q_start[qi], q_stop[qi], kv_start[ki], kv_stop[ki])
+        q_shift, kv_shift = (q_local - q_start)[qi[pair]], (kv_local - kv_start)[ki[pair]]
+        merged, group = _merged((qa + q_shift, qb + q_shift, ka + kv_shift, kb + kv_shift, flag), kv_pair[ki[pair]])
+        found = torch.unique_consecutive(group).tolist()  # pairs sharing no document get no block
         steps.update(dict.fromkeys(others, ()))
-        steps.update(zip(found, _tasks_of(merged, source)))
-    return [steps[s] for s in sources]
+        steps.update(zip((others[g] for g in found), _tasks_of(merged, group)))
+    return [steps[at] for at in range(len(pairs))]
+
+
+def document_steps(layout: str, causal: bool, pairs: list[tuple[int, int]], world_size: int, local_len: int,
+                   cu_seqlens: Boundaries, ulysses_size: int = 1) -> list[tuple[BlockTask, ...]]:
+    """:func:`packed_step_tasks` of a document layout (``document_zigzag``, ``document_balanced``)
+    for each ``(query ring rank, key ring rank)`` of ``pairs``, in one vectorised build."""
+    seq_len = local_len * world_size
+    shard_runs(layout, ulysses_size, world_size, seq_len, 0, cu_seqlens)  # validates (cached)
+    if not all(0 <= r < world_size for pair in pairs for r in pair):
+        raise ValueError(f"pairs={pairs} must all be ring ranks in [0, {world_size})")
+    return _pair_steps(causal, functools.partial(_ring_runs, layout, ulysses_size, world_size, seq_len, cu_seqlens),
+                       len(cu_seqlens) - 1, pairs)
 
 
 def document_zigzag_steps(causal: bool, rank: int, sources: list[int], world_size: int, local_len: int,
                           cu_seqlens: Boundaries, ulysses_size: int = 1) -> list[tuple[BlockTask, ...]]:
     """:func:`packed_step_tasks` of ``document_zigzag`` against each of ``sources`` (all
     steps of a ring pass in one vectorised build)."""
-    seq_len = local_len * world_size
-    shard_runs("document_zigzag", ulysses_size, world_size, seq_len, rank, cu_seqlens)  # validates (cached)
-    if not all(0 <= source < world_size for source in sources):
-        raise ValueError(f"sources={sources} must all be ring ranks in [0, {world_size})")
-    return _document_zigzag_steps(
-        causal, functools.partial(_ring_runs, ulysses_size, world_size, seq_len, cu_seqlens), rank, sources)
+    return document_steps("document_zigzag", causal, [(rank, source) for source in sources], world_size, local_len,
+                          cu_seqlens, ulysses_size)
 
 
 def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_size: int, local_len: int,
@@ -258,13 +271,14 @@ def packed_step_tasks(layout: str, causal: bool, rank: int, source: int, world_s
 
     ``world_size`` is the ring size ``R`` and ``local_len`` the ring shard length (after
     the Ulysses all-to-all over ``ulysses_size`` ranks: ``U`` times the SP shard).
-    ``document_zigzag`` is cut from the ring shards' global runs (module docstring). For the
-    other layouts each block of the plain schedule is cut by the documents; a causal
-    block's frame (query i vs key i) makes each cut an interval pair.
+    The document layouts (``document_zigzag``, ``document_balanced``) are cut from the ring
+    shards' global runs (module docstring). For the other layouts each block of the plain
+    schedule is cut by the documents; a causal block's frame (query i vs key i) makes each
+    cut an interval pair.
     """
     seq_len = local_len * world_size
-    if layout == "document_zigzag":
-        return document_zigzag_steps(causal, rank, [source], world_size, local_len, cu_seqlens, ulysses_size)[0]
+    if layout in DOCUMENT_LAYOUTS:
+        return document_steps(layout, causal, [(rank, source)], world_size, local_len, cu_seqlens, ulysses_size)[0]
     # a plain layout's ring shard is its shard over the R ring ranks (striped: U > 1 only with R == 1)
     q_runs, kv_runs = (_document_runs(shard_runs(layout, 1, world_size, seq_len, r, cu_seqlens), cu_seqlens)
                        for r in (rank, source))

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layouts import Boundaries
+from ..layouts import DOCUMENT_LAYOUTS, Boundaries
 from ..spans import Spans
 from .blocks import BlockTask, ring_step_tasks
-from .documents import document_zigzag_steps, packed_step_tasks
+from .documents import document_steps, packed_step_tasks
 from .spans import span_step_tasks
 from .windows import window_step_tasks
 
@@ -60,6 +60,31 @@ def causal_work_per_rank(layout: str, world_size: int, local_len: int, causal: b
     ]
 
 Rows = tuple[int, int]  # a [start, stop) range of a shard's local tokens
+RowSet = tuple[Rows, ...]  # sorted disjoint ranges: the rows one message carries, in this order
+
+_WHOLE_SHARE = (9, 10)  # a message of at least this share of the shard carries it whole (no staging copy)
+
+
+def row_count(rows: RowSet | None) -> int:
+    """Rows a message of ``rows`` carries (0 for no message)."""
+    return 0 if rows is None else sum(b - a for a, b in rows)
+
+
+def message_rows(tasks: tuple[BlockTask, ...], local_len: int) -> RowSet | None:
+    """The rows of a KV shard that ``tasks`` read (their keys), merged into sorted ranges; the whole
+    shard when that is at least 90% of it (sending it costs no staging copy); None when no block."""
+    if not tasks:
+        return None
+    merged: list[list[int]] = []
+    for a, b in sorted((t.kv.start, t.kv.stop) for t in tasks):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    rows = tuple((a, b) for a, b in merged)
+    if row_count(rows) * _WHOLE_SHARE[1] >= local_len * _WHOLE_SHARE[0]:
+        return ((0, local_len),)
+    return rows
 
 
 @dataclass(frozen=True)
@@ -67,14 +92,14 @@ class ExchangePlan:
     """One ring rank's whole pass: the blocks of each step ``t`` (against the KV of rank
     ``rank - t``, slices in that shard's local order) and, per step, the rows of that KV
     shard it receives (``recv_rows``) and the rows of its own shard it sends to ``rank + t``
-    (``send_rows``; None: no message). Without a window every step moves the whole shard
-    (the full ring of DESIGN section 5); with one, only the halo partners exchange, and only
-    the rows some block of the partner reads (their hull: with spans, also the span keys that
-    lie after the partner's window)."""
+    (``send_rows``; None: no message): the rows some block of the receiver reads
+    (:func:`message_rows`), with or without a window, documents or spans. A step whose
+    receiver reads nothing exchanges nothing; a batch of documents that all stay whole on
+    their ranks exchanges nothing at all. Step 0 is the own shard (``((0, n),)``)."""
 
     schedule: tuple[tuple[BlockTask, ...], ...]
-    recv_rows: tuple[Rows | None, ...]
-    send_rows: tuple[Rows | None, ...]
+    recv_rows: tuple[RowSet | None, ...]
+    send_rows: tuple[RowSet | None, ...]
 
     @property
     def receives(self) -> tuple[bool, ...]:
@@ -85,31 +110,24 @@ class ExchangePlan:
         return tuple(rows is not None for rows in self.send_rows)
 
 
-def _kv_hull(tasks: tuple[BlockTask, ...]) -> Rows | None:
-    """The smallest row range of the KV shard holding every block's keys (None: no block)."""
-    return (min(t.kv.start for t in tasks), max(t.kv.stop for t in tasks)) if tasks else None
-
-
 def exchange_plan(layout: str, causal: bool, rank: int, world_size: int, local_len: int,
                   cu_seqlens: Boundaries | None = None, window: int | None = None,
                   native_window: bool = False, *, ulysses_size: int = 1, spans: Spans | None = None) -> ExchangePlan:
     """The :class:`ExchangePlan` of ring rank ``rank`` (pure: every rank can compute any rank's).
-    ``spans``: bidirectional spans (:mod:`.spans`); without a window the exchange is the causal one."""
-
-    def tasks(r: int, step: int) -> tuple[BlockTask, ...]:
-        return step_tasks(layout, causal, r, (r - step) % world_size, world_size, local_len, cu_seqlens,
-                          ulysses_size=ulysses_size, window=window, native_window=native_window, spans=spans)
-
-    if window is None and layout == "document_zigzag" and cu_seqlens is not None:  # all steps in one build
-        sources = [(rank - step) % world_size for step in range(world_size)]
-        steps = document_zigzag_steps(causal, rank, sources, world_size, local_len, cu_seqlens, ulysses_size)
-        schedule = tuple(_with_spans(base, layout, causal, rank, source, world_size, local_len, cu_seqlens, spans,
-                                     ulysses_size) for base, source in zip(steps, sources))
+    The rows it sends at step ``t`` are those the blocks of rank ``rank + t`` read of it, so both
+    ends of every message compute its size alike. ``spans``: bidirectional spans (:mod:`.spans`)."""
+    partners = [(rank + step) % world_size for step in range(1, world_size)]
+    pairs = ([(rank, (rank - step) % world_size) for step in range(world_size)]
+             + [(partner, rank) for partner in partners])
+    if window is None and layout in DOCUMENT_LAYOUTS and cu_seqlens is not None:  # every pair in one build
+        base = document_steps(layout, causal, pairs, world_size, local_len, cu_seqlens, ulysses_size)
+        steps = [_with_spans(tasks, layout, causal, q, kv, world_size, local_len, cu_seqlens, spans, ulysses_size)
+                 for tasks, (q, kv) in zip(base, pairs)]
     else:
-        schedule = tuple(tasks(rank, step) for step in range(world_size))
-    if window is None:
-        every = ((0, local_len),) * world_size
-        return ExchangePlan(schedule, every, every)
-    receives = tuple(_kv_hull(t) for t in schedule)
-    sends = tuple(_kv_hull(tasks((rank + step) % world_size, step)) for step in range(world_size))
+        steps = [step_tasks(layout, causal, q, kv, world_size, local_len, cu_seqlens, ulysses_size=ulysses_size,
+                            window=window, native_window=native_window, spans=spans) for q, kv in pairs]
+    schedule, partner_steps = tuple(steps[:world_size]), steps[world_size:]
+    whole: RowSet = ((0, local_len),)
+    receives = (whole,) + tuple(message_rows(tasks, local_len) for tasks in schedule[1:])
+    sends = (whole,) + tuple(message_rows(tasks, local_len) for tasks in partner_steps)
     return ExchangePlan(schedule, receives, sends)

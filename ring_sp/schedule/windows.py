@@ -15,10 +15,12 @@ Nothing here builds a mask tensor, so memory stays O(block) whatever the window.
 
 from __future__ import annotations
 
+import torch
+
 from ..layouts import LAYOUTS, Boundaries, shard_runs
 from ..runs import ShardRuns
 from .blocks import BlockTask, bottom_right_window, interval_blocks, shifted
-from .documents import shard_pieces
+from .documents import matching_pairs, shard_pieces
 
 
 def band_blocks(q: tuple[int, int], kv: tuple[int, int], window: int, native_window: bool = False) -> list[BlockTask]:
@@ -95,18 +97,16 @@ def _lower_edge(block: BlockTask, window: int) -> list[BlockTask]:
     return pieces
 
 
-# (local start, local stop, frame coordinate of the local start, document id)
-_Run = tuple[int, int, int, int]
-
-
-def _runs(shard: ShardRuns, frame_start: int | None, cu_seqlens: Boundaries | None) -> list[_Run]:
+def _runs(shard: ShardRuns, frame_start: int | None, cu_seqlens: Boundaries | None) -> tuple[torch.Tensor, ...]:
     """A shard's runs of consecutive global positions (``frame_start`` None), or, for striped,
-    its one run in the local frame starting at ``frame_start``; cut at document boundaries."""
+    its one run in the local frame starting at ``frame_start``; cut at document boundaries:
+    LongTensors (local start, local stop, frame coordinate of the local start, document id),
+    documents in increasing order."""
     if frame_start is None:
-        return list(zip(*(t.tolist() for t in shard_pieces(shard, cu_seqlens))))
+        return shard_pieces(shard, cu_seqlens)
     # striped: the local frame advances one per local token; only documents cut it
-    begin, end, _, docs = (t.tolist() for t in shard_pieces(shard, cu_seqlens, consecutive=False))
-    return [(a, b, frame_start + a, doc) for a, b, doc in zip(begin, end, docs)]
+    begin, end, _, docs = shard_pieces(shard, cu_seqlens, consecutive=False)
+    return begin, end, begin + frame_start, docs
 
 
 def window_step_tasks(layout: str, rank: int, source: int, world_size: int, local_len: int, window: int,
@@ -131,11 +131,13 @@ def window_step_tasks(layout: str, rank: int, source: int, world_size: int, loca
     else:
         frame_window = window
         q_runs, kv_runs = _runs(q_shard, None, cu_seqlens), _runs(kv_shard, None, cu_seqlens)
+    (qa, qb, qf, q_doc), (ka, kb, kf, kv_doc) = q_runs, kv_runs
+    qi, ki = matching_pairs(q_doc, kv_doc)  # run pairs of one document, by query run then key run
+    qa, qb, qf, ka, kb, kf = qa[qi], qb[qi], qf[qi], ka[ki], kb[ki], kf[ki]
+    # keys not all in the future, nor all before the window
+    near = (kf <= qf + (qb - qa) - 1) & (kf + (kb - ka) - 1 > qf - frame_window)
     tasks: list[BlockTask] = []
-    for qa, qb, qf, qdoc in q_runs:
-        for ka, kb, kf, kdoc in kv_runs:
-            if qdoc != kdoc or kf > qf + (qb - qa) - 1 or kf + (kb - ka) - 1 <= qf - frame_window:
-                continue  # other document, keys all in the future, or all before the window
-            for t in band_blocks((qf, qf + qb - qa), (kf, kf + kb - ka), frame_window, native_window):
-                tasks.append(shifted(t, qa - qf, ka - kf))
+    for qa_, qb_, qf_, ka_, kb_, kf_ in zip(*(t[near].tolist() for t in (qa, qb, qf, ka, kb, kf))):
+        for t in band_blocks((qf_, qf_ + qb_ - qa_), (kf_, kf_ + kb_ - ka_), frame_window, native_window):
+            tasks.append(shifted(t, qa_ - qf_, ka_ - kf_))
     return tuple(tasks)

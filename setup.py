@@ -49,7 +49,7 @@ setup(
         # TRL's SFTTrainer (SequenceParallelSFTTrainer); peft for LoRA; datasets comes with trl
         "trl": [_requirement("trl"), _requirement("peft"), _requirement("transformers"), _requirement("accelerate"),
                 "tqdm>=4.60"],
-        "test": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "numpy"],
+        "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "hypothesis>=6", "numpy", "psutil"],
         "bench": ["matplotlib>=3.5"],
     },
     entry_points={"console_scripts": ["ring-sp=ring_sp.plan:main"]},

@@ -35,7 +35,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--layout", choices=list(ring_sp.LAYOUTS), default="zigzag")
+    p.add_argument("--layout", choices=list(ring_sp.LAYOUT_CHOICES), default="zigzag")
     return p.parse_args()
 
 

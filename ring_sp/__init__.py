@@ -6,7 +6,7 @@ Importing this package has no side effects: no process groups, no CUDA, no flash
 from .attention import hybrid_attention, ring_attention, ulysses_attention
 from .comm import count_communication
 from .data import IGNORE_INDEX, document_positions, pad_documents, shard_batch, shift_labels
-from .layouts import LAYOUTS, layout_positions
+from .layouts import LAYOUT_CHOICES, LAYOUTS, layout_positions
 from .sequence_shards import gather_sequence, shard_sequence, unshard_sequence
 from .loss import sequence_parallel_cross_entropy, sequence_parallel_loss
 from .module import SequenceParallelAttention
@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "IGNORE_INDEX",
     "LAYOUTS",
+    "LAYOUT_CHOICES",
     "PLACEMENTS",
     "SequenceParallelAttention",
     "SequenceParallelTopology",

@@ -15,7 +15,8 @@ import tempfile
 
 import pytest
 
-from harness import PoolManager
+from harness import PoolManager, live_groups, release_groups
+from suite_health import SuiteHealth
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # DeepSpeed picks its accelerator once, at import; the pools' ranks import it in their
@@ -24,6 +25,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # set at import, before any pool's forkserver or subprocess inherits the environment
 SESSION_EXTENSIONS_DIR = tempfile.mkdtemp(prefix="ring_sp_test_ext_")
 os.environ["TORCH_EXTENSIONS_DIR"] = SESSION_EXTENSIONS_DIR
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(SuiteHealth(), "ring_sp_suite_health")
 
 
 def _files_under(path: str) -> list[str]:
@@ -37,6 +42,15 @@ def nothing_built():
     built = _files_under(SESSION_EXTENSIONS_DIR)
     shutil.rmtree(SESSION_EXTENSIONS_DIR, ignore_errors=True)
     assert not built, f"a test built C++ extensions (TORCH_EXTENSIONS_DIR): {built}"
+
+
+@pytest.fixture(autouse=True)
+def process_groups_released():
+    """Every process group a test makes in the pytest process is destroyed when it ends (a group
+    lives, with three gloo threads, until destroyed; 117 of them once ran behind test_megatron.py)."""
+    before = live_groups()
+    yield
+    release_groups(before)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ launch that ends cleanly should have built nothing).
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib.util
 import multiprocessing as mp
 import os
@@ -66,6 +67,28 @@ FORKSERVER_PRELOAD = ["torch", "torch.fx.experimental.symbolic_shapes"] + [
 ]
 
 
+def live_groups() -> set:
+    """The process groups this process holds besides the default one (gloo: three threads each)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        return set()
+    return {pg for pg in distributed_c10d._world.pg_map if pg is not dist.group.WORLD}  # noqa: SLF001
+
+
+def release_groups(keep: set) -> None:
+    """Destroy every process group but the default one and ``keep`` (what a case or test made and
+    dropped: torch keeps each alive, with its threads, until destroyed)."""
+    import torch.distributed as dist
+
+    dropped = live_groups() - keep
+    for pg in dropped:
+        dist.destroy_process_group(pg)
+    if dropped:  # a group's threads end with its last reference: models in reference cycles hold some
+        gc.collect()
+
+
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, sys_path: list[str], pg_timeout_s: float, env: dict[str, str]) -> None:
     os.setsid()  # own process group: the driver kills the whole tree with killpg
     sys.path[:] = sys_path
@@ -94,6 +117,9 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, s
     dist.destroy_process_group()
 
 
+STARTS: list = []  # (world size, seconds to start) of every launch, for the suite's profile
+
+
 class RankPool:
     """``world_size`` gloo ranks kept alive between cases."""
 
@@ -112,6 +138,7 @@ class RankPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def _start(self) -> None:
+        began = time.monotonic()
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         fd, self._init_file = tempfile.mkstemp(prefix="ring_sp_pg_")
@@ -135,6 +162,7 @@ class RankPool:
             if not conn.poll(max(0.0, deadline - time.monotonic())) or conn.recv() != "ready":
                 self.kill()
                 raise RuntimeError(f"rank {rank} of a {self.world_size}-rank pool did not start")
+        STARTS.append((self.world_size, round(time.monotonic() - began, 3)))
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results.

@@ -52,7 +52,7 @@ def test_section_absent_or_disabled_is_none() -> None:
     ({"ring_size": 2.0}, TypeError, r"ring_sp\.ring_size must be an integer"),
     ({"ulysses_size": True}, TypeError, r"ring_sp\.ulysses_size must be an integer"),
     ({"ulysses_size": 0}, ValueError, r"ring_sp\.ulysses_size=0 must be >= 1"),
-    ({"layout": "zig"}, ValueError, r"ring_sp\.layout='zig' is not one of " + re.escape(str(list(ring_sp.LAYOUTS)))),
+    ({"layout": "zig"}, ValueError, r"ring_sp\.layout='zig' is not one of " + re.escape(str(list(ring_sp.LAYOUT_CHOICES)))),
     ({"placement": "outer"}, ValueError, r"ring_sp\.placement='outer' is not one of"),
     ({"backend": "flash"}, ValueError, r"ring_sp\.backend='flash' is not one of " + re.escape(str(list(BACKENDS)))),
     ({"enabled": "yes"}, TypeError, r"ring_sp\.enabled must be true or false"),

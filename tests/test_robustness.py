@@ -24,7 +24,7 @@ from oracle import GRAD_TOL, OUT_TOL, assert_close, make_inputs, oracle_results
 from ring_sp.comm import RingComm
 from test_comm import _count_torch_collectives
 
-PG_TIMEOUT = 10.0  # seconds; the group timeout the fault tests run under (each waits it out)
+PG_TIMEOUT = 5.0  # seconds; the group timeout the fault tests run under (each waits it out: the least that proves a bound)
 
 
 def _shards(n: int = 8, h: int = 4, h_kv: int = 2, d: int = 16, dtype: torch.dtype = torch.float32):

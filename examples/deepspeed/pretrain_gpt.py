@@ -289,7 +289,7 @@ def common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--ulysses-size", type=int, help="override ring_sp.ulysses_size of the config")
     p.add_argument("--ring-size", type=int, help="override ring_sp.ring_size of the config")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
-    p.add_argument("--layout", choices=list(ring_sp.LAYOUTS), help="override ring_sp.layout of the config")
+    p.add_argument("--layout", choices=list(ring_sp.LAYOUT_CHOICES), help="override ring_sp.layout of the config")
     p.add_argument("--pack-documents", action="store_true",
                    help="pack whole documents per row, attention inside each (this example: with --layout document_zigzag)")
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu (samples per SP group)")

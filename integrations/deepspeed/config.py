@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ring_sp import LAYOUTS, PLACEMENTS
+from ring_sp import LAYOUT_CHOICES, PLACEMENTS
 from ring_sp.kernels import BACKENDS
 from ring_sp.shapes import divisors
 from ring_sp.tiling import check_tile_tokens
@@ -74,7 +74,7 @@ class RingSPConfig:
                 raise TypeError(f'{SECTION}.{key} must be an integer >= 1; got {_describe(value)}. Write e.g. "{key}": 2')
             if value < 1:
                 raise ValueError(f"{SECTION}.{key}={value} must be >= 1 (1 switches that dimension off)")
-        for key, allowed in (("layout", LAYOUTS), ("placement", PLACEMENTS), ("backend", BACKENDS),
+        for key, allowed in (("layout", LAYOUT_CHOICES), ("placement", PLACEMENTS), ("backend", BACKENDS),
                              ("kv_exchange", KV_EXCHANGES)):
             value = getattr(self, key)
             if not isinstance(value, str):

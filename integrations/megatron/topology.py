@@ -57,10 +57,35 @@ def topology_from_parallel_state(
         dp_group = parallel_state.get_data_parallel_group()
     if dp_cp_group is None:
         dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    for stale in [key for key, topology in _TOPOLOGIES.items() if not _registered(topology)]:
+        del _TOPOLOGIES[stale]  # its groups were destroyed: let them go (their threads end with them)
     key = (cp_group, config.ulysses_size, config.placement)
     if key not in _TOPOLOGIES:
         _TOPOLOGIES[key] = _build(config, cp_group, hcp_groups, dp_group, dp_cp_group)
     return _TOPOLOGIES[key]
+
+
+def _registered(topology: SequenceParallelTopology) -> bool:
+    """Whether every group of ``topology`` still exists (``destroy_process_group`` ends one; Megatron's
+    ``destroy_model_parallel`` and a new ``initialize_model_parallel`` then make new ones)."""
+    try:
+        for group in (topology.sp_group, topology.ulysses_group, topology.ring_group, topology.dp_sp_group):
+            if group is not None:
+                dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):  # (torch raises KeyError or ValueError for an unknown group)
+        return False
+    return True
+
+
+def _inside(groups: Sequence[dist.ProcessGroup], cp_group: dist.ProcessGroup) -> bool:
+    """``groups`` exist and hold ranks of ``cp_group`` only. Megatron-core 0.16's
+    ``destroy_model_parallel`` leaves its hierarchical CP groups behind: a later
+    ``initialize_model_parallel`` without them still hands out the old (maybe destroyed) ones."""
+    try:
+        members = set(dist.get_process_group_ranks(cp_group))
+        return all(set(dist.get_process_group_ranks(g)) <= members for g in groups)
+    except (KeyError, ValueError, RuntimeError):
+        return False
 
 
 def _build(
@@ -78,7 +103,7 @@ def _build(
         )
     r = cp_size // u
     dp = {"dp_size": dp_group.size(), "dp_rank": dp_group.rank(), "dp_group": dp_group, "dp_sp_group": dp_cp_group}
-    if hcp_groups is not None and [g.size() for g in hcp_groups] == [u, r]:
+    if hcp_groups is not None and [g.size() for g in hcp_groups] == [u, r] and _inside(hcp_groups, cp_group):
         ulysses_group, ring_group = hcp_groups
         topology = SequenceParallelTopology(
             ulysses_size=u, ring_size=r, placement=config.placement, rank=dist.get_rank(),

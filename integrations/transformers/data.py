@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ring_sp import LAYOUTS, SequenceParallelTopology
+from ring_sp import LAYOUT_CHOICES, SequenceParallelTopology
 from ring_sp import shard_batch as ring_sp_shard_batch
 from ring_sp.data import sharded_together
-from ring_sp.layouts import Boundaries, as_boundaries, layout_unit
+from ring_sp.layouts import AUTO, Boundaries, as_boundaries, layout_unit
 from ring_sp.spans import Spans
 
 from .attention import registration
@@ -177,8 +177,8 @@ def _cut(batch: Mapping[str, Any], topology: SequenceParallelTopology | None, *,
     """:func:`shard_batch`'s checks and sharding on this rank alone (no communication)."""
     if topology is not None and not isinstance(topology, SequenceParallelTopology):
         raise TypeError(f"topology must be a ring_sp.SequenceParallelTopology or None; got {type(topology).__name__}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}; use the layout given to register()")
+    if layout not in LAYOUT_CHOICES:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUT_CHOICES}; use the layout given to register()")
     registered = registration()
     if registered is not None and registered.topology is topology and registered.layout != layout:
         raise ValueError(f"layout={layout!r} but register() was given layout={registered.layout!r} for this topology: "
@@ -204,7 +204,8 @@ def _cut(batch: Mapping[str, Any], topology: SequenceParallelTopology | None, *,
     spans, pixels = _vision_inputs(full, model)
     boundaries = _documents(full, b, n)
     sp_size, sp_rank = (1, 0) if topology is None else (topology.sp_size, topology.sp_rank)
-    if boundaries is None and (n % layout_unit(layout, sp_size) or (spans is not None and b > 1)):
+    unpacked_unit = layout_unit("zigzag" if layout == AUTO else layout, sp_size)  # auto: zigzag without documents
+    if boundaries is None and (n % unpacked_unit or (spans is not None and b > 1)):
         boundaries = tuple(range(0, b * n + 1, n))  # any length, or spans per row: each row one document, flattened
     layout = layout_for(layout, packed=boundaries is not None)
     if boundaries is not None:

@@ -240,7 +240,8 @@ def _short(x: object) -> str:
 
 def layout_for(layout: str, *, packed: bool) -> str:
     """The layout a batch is sharded with: ``zigzag`` turns into ``document_zigzag`` for packed
-    documents (and back for a batch without documents); the others stay."""
+    documents (and back for a batch without documents); the others stay (``auto`` is
+    resolved by ring_sp alike for the data and the attention, from the same documents)."""
     if packed and layout == "zigzag":
         return "document_zigzag"
     if not packed and layout == "document_zigzag":

@@ -35,7 +35,7 @@ from collections import deque
 
 import torch
 
-from ring_sp import LAYOUTS, SequenceParallelTopology
+from ring_sp import LAYOUT_CHOICES, SequenceParallelTopology
 from ring_sp.agreement import _checksum
 from ring_sp.data import shard_positions, token_checksum
 from ring_sp.layouts import Boundaries, check_layout
@@ -78,7 +78,7 @@ def fingerprint(*, sp_size: int, sp_rank: int, layout: str, global_len: int, bou
                 shift_labels: torch.Tensor | None = None, batch: torch.Tensor | None = None,
                 spans: Spans | None = None, images: torch.Tensor | None = None) -> torch.Tensor:
     """The ``"ring_sp_shard"`` entry: int64 ``[12]`` on the positions' device (-1: not recorded)."""
-    head = torch.tensor([_MAGIC, sp_size, sp_rank, LAYOUTS.index(layout), global_len, _checksum(boundaries), 0, -1, -1, -1,
+    head = torch.tensor([_MAGIC, sp_size, sp_rank, LAYOUT_CHOICES.index(layout), global_len, _checksum(boundaries), 0, -1, -1, -1,
                          _checksum(spans), -1], dtype=torch.int64, device=position_ids.device)
     head[6] = positions_checksum(position_ids)
     for field, value in (("tokens", input_ids), ("labels", shift_labels)):
@@ -213,7 +213,7 @@ def check_shard(mark: object, position_ids: torch.Tensor | None, *, batch: int, 
                 "holds no bidirectional spans but the attention got some" if got["spans"] == -1 else
                 "was cut with other bidirectional spans than the attention got")
         raise ValueError(f"{where}: the shard {what} ({SPANS_KEY!r} dropped, added or of another batch); {_FIX}")
-    shard_layout = LAYOUTS[got["layout"]] if 0 <= got["layout"] < len(LAYOUTS) else got["layout"]
+    shard_layout = LAYOUT_CHOICES[got["layout"]] if 0 <= got["layout"] < len(LAYOUT_CHOICES) else got["layout"]
     if shard_layout != layout:
         raise ValueError(
             f"{where}: the shard was cut with layout={shard_layout!r} but the attention runs layout={layout!r} "

@@ -17,7 +17,9 @@ head + loss over token tiles (``ring_sp.tiling``), checkpointed activations in h
 
 ``--pack-documents`` trains on whole documents packed into each row instead of windows
 of the text stream: attention stays inside each document (``cu_seqlens``), positions
-restart per document, and ``--layout document_zigzag`` keeps every rank's work equal.
+restart per document, and the layout defaults to ``auto`` (``document_balanced``: short
+documents whole on one rank, long ones cut, every rank's work equal; ``--layout
+document_zigzag`` cuts every document).
 
 Prints a progress bar (loss, tokens/s) on stderr and, with ``--log-json``, one JSON object
 per step on stdout. ``--eval-interval K`` adds, every K steps and after the last, the exact
@@ -291,7 +293,8 @@ def common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
     p.add_argument("--layout", choices=list(ring_sp.LAYOUT_CHOICES), help="override ring_sp.layout of the config")
     p.add_argument("--pack-documents", action="store_true",
-                   help="pack whole documents per row, attention inside each (this example: with --layout document_zigzag)")
+                   help="pack whole documents per row, attention inside each (the layout then defaults to auto: "
+                        "short documents whole on a rank, long ones cut, chosen per batch)")
     p.add_argument("--micro-batch", type=int, help="override train_micro_batch_size_per_gpu (samples per SP group)")
     p.add_argument("--bf16", action="store_true", help="train in bf16 (GPUs)")
     p.add_argument("--tiled-mlp", action="store_true", help="set ring_sp.tiled_mlp: MLPs over token tiles")
@@ -339,6 +342,8 @@ def ds_config_from_args(args: argparse.Namespace) -> dict:
     for key in ("ulysses_size", "ring_size", "layout"):
         if getattr(args, key) is not None:
             section[key] = getattr(args, key)
+    if getattr(args, "pack_documents", False) and args.layout is None:
+        section["layout"] = "auto"  # packed documents: their placement chosen per batch
     for key in ("tiled_mlp", "tiled_loss", "offload_checkpoints"):
         if getattr(args, key):
             section[key] = True

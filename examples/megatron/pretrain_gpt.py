@@ -7,7 +7,8 @@ byte tokens (``examples/common/data.py``); every rank draws the same batch for a
 ranks take their slice and CP ranks their shard (Megatron's ``get_batch_on_this_cp_rank``
 for zigzag). ``--pack-documents`` trains on whole docstrings instead: each micro-batch is one
 packed THD row (Megatron's packed sequences, ``PackedSeqParams``), documents of any length
-UNPADDED and sharded per document (``--ring-sp-layout document_zigzag``, its default then);
+UNPADDED and placed per batch (``--ring-sp-layout auto``, its default then: short documents
+whole on a rank, long ones cut; ``document_zigzag`` cuts every one, as Megatron does);
 ring_sp's core attention applies RoPE at each token's position inside its document.
 
 Megatron pieces used: ``parallel_state``, ``GPTModel`` with the ring_sp layer spec, DDP
@@ -76,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--corpus-bytes", type=int, default=4_000_000, help="size of the docstring corpus to load")
     train.add_argument("--pack-documents", action="store_true",
                        help="one packed THD row of whole documents per micro-batch, unpadded, attention and RoPE "
-                            "positions inside each (--ring-sp-layout defaults to document_zigzag then)")
+                            "positions inside each (--ring-sp-layout defaults to auto then)")
     train.add_argument("--bf16", action="store_true", help="bf16 model with fp32 main params (GPU)")
     train.add_argument("--cpu", action="store_true", help="run on CPU ranks over gloo even if CUDA is present")
     io = parser.add_argument_group("checkpoints and logging")
@@ -86,10 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     io.add_argument("--ckpt-step", type=int, default=None, help="step to load (default: the latest)")
     io.add_argument("--log-json", action="store_true", help="one JSON object per step on stdout")
     ring_sp_megatron.add_ring_sp_args(parser)
-    parser.set_defaults(ring_sp_layout=None)  # zigzag, or document_zigzag with --pack-documents
+    parser.set_defaults(ring_sp_layout=None)  # zigzag, or auto (per batch) with --pack-documents
     args = parser.parse_args(argv)
     if args.ring_sp_layout is None:
-        args.ring_sp_layout = "document_zigzag" if args.pack_documents else "zigzag"
+        args.ring_sp_layout = "auto" if args.pack_documents else "zigzag"
     args.attention_dropout = 0.0
     args.position_embedding_type = "rope"
     return args
@@ -114,10 +115,11 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
     if args.pack_documents and not args.ring_sp:
         raise ValueError("--pack-documents needs --ring-sp: megatron-core's local DotProductAttention refuses "
                          "packed sequences (packed_seq_params)")
-    if args.pack_documents and args.context_parallel_size > 1 and args.ring_sp_layout != "document_zigzag":
+    if args.pack_documents and args.context_parallel_size > 1 and args.ring_sp_layout not in ring_sp_megatron.PACKED_LAYOUTS:
         raise ValueError(
             f"--pack-documents at --context-parallel-size {args.context_parallel_size} needs --ring-sp-layout "
-            f"document_zigzag (Megatron shards packed THD batches per document); got {args.ring_sp_layout}"
+            f"auto (the default), document_balanced or document_zigzag (packed THD batches are sharded per "
+            f"document); got {args.ring_sp_layout}"
         )
     if args.bf16 and on_cpu:
         raise ValueError("--bf16 needs CUDA: megatron-core's mixed-precision optimizer creates CUDA tensors")
@@ -246,7 +248,8 @@ def packed_windows(args: argparse.Namespace, num_windows: int, step: int, dp_ran
     return picks[dp_rank * args.micro_batch_size:(dp_rank + 1) * args.micro_batch_size].tolist()
 
 
-def packed_batch(documents: PackedDocuments, indices: list[int], device: torch.device) -> dict[str, object]:
+def packed_batch(documents: PackedDocuments, indices: list[int], device: torch.device,
+                 layout: str = "auto") -> dict[str, object]:
     """This CP rank's THD micro-batch: the windows ``indices`` end to end as ONE packed row
     (Megatron's THD batches have b = 1), documents unpadded and sharded per document; the
     ``PackedSeqParams`` under ``packed_seq_params`` and the row's padding tokens (only its end,
@@ -256,7 +259,8 @@ def packed_batch(documents: PackedDocuments, indices: list[int], device: torch.d
     for window in windows:
         cu_seqlens += [cu_seqlens[-1] + int(end) for end in window["cu_seqlens"][1:]]
     tokens = torch.cat([window["input_ids"] for window in windows])[None].to(device)
-    batch, packed = ring_sp_megatron.thd_batch_on_this_cp_rank(tokens, cu_seqlens, per_document_padding=False)
+    batch, packed = ring_sp_megatron.thd_batch_on_this_cp_rank(tokens, cu_seqlens, per_document_padding=False,
+                                                               layout=layout)
     padding = int(packed.cu_seqlens_q[-1]) - tokens.shape[1]
     return {**batch, "packed_seq_params": packed, "padding": padding}
 
@@ -380,7 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = args.micro_batch_size * dp_size * args.seq_length
     for step in range(start + 1, args.train_iters + 1):
         if args.pack_documents:
-            batch = packed_batch(windows, packed_windows(args, len(windows), step, dp_rank, dp_size), device)
+            batch = packed_batch(windows, packed_windows(args, len(windows), step, dp_rank, dp_size), device,
+                                 args.ring_sp_layout)
         else:
             batch = shard_batch(args, batches.batch(step, dp_rank=dp_rank, dp_size=dp_size), device)
         loss = train_step(args, model, optimizer, batch, step, device)

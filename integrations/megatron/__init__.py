@@ -24,7 +24,7 @@ import importlib
 from typing import Any
 
 from .arguments import add_ring_sp_args, megatron_lm_args, ring_sp_config_from_args, validate_ring_sp_args
-from .config import RingSPConfig, unpacked_layout
+from .config import PACKED_LAYOUTS, RingSPConfig, unpacked_layout
 from .cpu import ddp_buffers_on_cpu
 from .packed import thd_batch_on_this_cp_rank
 from .rope import LayoutRotaryEmbedding, install_layout_rope
@@ -40,6 +40,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "PACKED_LAYOUTS",
     "LayoutRotaryEmbedding",
     "RingSPConfig",
     "add_ring_sp_args",

@@ -14,15 +14,17 @@ from ring_sp.shapes import divisors
 from ring_sp.topology import PLACEMENTS
 from ring_sp.validation import KV_EXCHANGES
 
-# document_zigzag is how Megatron shards packed (THD) batches; a batch without documents is
-# one document, for which it is plain zigzag.
-MEGATRON_LAYOUTS = ("zigzag", "contiguous", "striped", "document_zigzag")
+# document_zigzag is how Megatron shards packed (THD) batches; document_balanced keeps short
+# documents whole (its RoPE then from ring_sp: install_layout_rope); auto picks between them per
+# batch. A batch without documents is one document, for which all three are plain zigzag.
+MEGATRON_LAYOUTS = ("zigzag", "contiguous", "striped", "document_zigzag", "document_balanced", "auto")
+PACKED_LAYOUTS = ("document_zigzag", "document_balanced", "auto")  # the layouts of THD batches
 
 
 def unpacked_layout(layout: str) -> str:
-    """The layout of a batch without document boundaries: ``document_zigzag`` of a single
-    document is ``zigzag`` (what ``get_batch_on_this_cp_rank`` and Megatron's RoPE use)."""
-    return "zigzag" if layout == "document_zigzag" else layout
+    """The layout of a batch without document boundaries: the document layouts (and ``auto``)
+    of a single document are ``zigzag`` (what ``get_batch_on_this_cp_rank`` and Megatron's RoPE use)."""
+    return "zigzag" if layout in PACKED_LAYOUTS else layout
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,9 @@ class RingSPConfig:
     is how the sequence is split over the context-parallel ranks: ``zigzag`` is what
     Megatron's ``get_batch_on_this_cp_rank`` and its RoPE slicing produce, and
     ``document_zigzag`` what its packed-sequence (THD) sharding produces, the same as
-    ``zigzag`` for batches without documents. ``kv_exchange``: how a ring group exchanges
+    ``zigzag`` for batches without documents; ``document_balanced`` (short documents whole,
+    only the KV that is read on the wire) and ``auto`` (per batch) shard THD batches with
+    :func:`~.packed.thd_batch_on_this_cp_rank` and need ring_sp's RoPE (:func:`~.rope.install_layout_rope`). ``kv_exchange``: how a ring group exchanges
     KV (``ring``, ``all_gather`` or ``auto``; see :func:`ring_sp.ring_attention`).
     """
 

@@ -30,8 +30,9 @@ import torch.distributed as dist
 import ring_sp
 from ring_sp.data import IGNORE_INDEX
 from ring_sp.layouts import as_boundaries
+from ring_sp.plan.layout_choice import resolve_layout
 
-from .config import unpacked_layout
+from .config import PACKED_LAYOUTS, unpacked_layout
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -142,15 +143,17 @@ def packed_attention_args(
     _check_padding(params, q, causal)
     if params.qkv_format != "thd":
         layout = unpacked_layout(layout)  # get_batch_on_this_cp_rank shards the row in plain zigzag
-    elif sp_size > 1 and layout != "document_zigzag":
+    elif sp_size > 1 and layout not in PACKED_LAYOUTS:
         raise ValueError(
             f"packed_seq_params.qkv_format='thd' at context-parallel size {sp_size} needs --ring-sp-layout "
-            f"document_zigzag (RingSPConfig(layout='document_zigzag')); got {layout!r}. Megatron shards THD "
-            f"batches per document (get_thd_batch_on_this_cp_rank), which is ring_sp's document_zigzag layout."
+            f"document_zigzag, document_balanced or auto (RingSPConfig(layout=...)); got {layout!r}. Megatron "
+            f"shards THD batches per document (get_thd_batch_on_this_cp_rank), which is ring_sp's document_zigzag "
+            f"layout; thd_batch_on_this_cp_rank(layout=...) shards them by the others."
         )
     # Zero-length documents (TransformerEngine allows them, e.g. for static shapes) hold no
     # token: dropping their repeated boundary changes nothing.
-    return tuple(dict.fromkeys(q)), layout
+    boundaries = tuple(dict.fromkeys(q))
+    return boundaries, resolve_layout(layout, boundaries, sp_size) if params.qkv_format == "thd" else layout
 
 
 def thd_batch_on_this_cp_rank(
@@ -161,6 +164,7 @@ def thd_batch_on_this_cp_rank(
     cp_size: int | None = None,
     pad_id: int = 0,
     per_document_padding: bool = True,
+    layout: str = "document_zigzag",
 ) -> tuple[dict[str, torch.Tensor], PackedSeqParams]:
     """One packed row as Megatron's THD path feeds it to a CP rank, on any device.
 
@@ -177,7 +181,9 @@ def thd_batch_on_this_cp_rank(
     (:func:`~.rope.install_layout_rope`) or that have no rotary embedding; megatron-core's
     THD RoPE refuses such a batch (:class:`~.rope.LayoutRotaryEmbedding` says so first).
 
-    This rank's shard is taken per document (``document_zigzag``). Returns Megatron's batch
+    This rank's shard is taken per document (``layout``: ``document_zigzag``, Megatron's own;
+    ``document_balanced`` or ``auto`` keep short documents whole, for models whose RoPE is
+    ring_sp's, :func:`~.rope.install_layout_rope`; the same ``--ring-sp-layout`` as the attention). Returns Megatron's batch
     keys ``tokens``, ``labels`` (the next token inside the document), ``loss_mask`` (0 at
     each document's last token and on padding) and ``position_ids`` (restarting per
     document), each ``[1, N_padded / cp_size]``, and the ``PackedSeqParams`` (THD; real
@@ -194,8 +200,9 @@ def thd_batch_on_this_cp_rank(
     batch, cu = {"input_ids": input_ids}, as_boundaries(cu_seqlens)
     if per_document_padding:
         batch, cu = ring_sp.pad_documents(batch, cu, 2 * cp_size, pad_id=pad_id)
-    shard = ring_sp.shard_batch(batch, rank=cp_rank, world_size=cp_size, layout="document_zigzag", cu_seqlens=cu,
-                                pad_id=pad_id)
+    if layout not in PACKED_LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {PACKED_LAYOUTS} (the layouts of packed THD batches)")
+    shard = ring_sp.shard_batch(batch, rank=cp_rank, world_size=cp_size, layout=layout, cu_seqlens=cu, pad_id=pad_id)
     ignored = shard["labels"] == IGNORE_INDEX
     tokens = {"tokens": shard["input_ids"], "labels": shard["labels"].masked_fill(ignored, 0),
               "loss_mask": (~ignored).float(), "position_ids": shard["position_ids"]}

@@ -86,7 +86,7 @@ from .long_sequence import enable_long_sequence, shard_loss_sum
 # the setup around the Trainer; SequenceParallelCollator and prepare_sequence_parallel are re-exported
 from .trainer_setup import (SequenceParallelCollator, complete_checkpoint, mark_checkpoint_complete,
                             prepare_sequence_parallel, registered_topology_for, ring_sp_settings,
-                            routed_deepspeed_initialize, unshard)
+                            routed_deepspeed_initialize, section_hidden_from_accelerate, unshard)
 
 _NO_LOGITS = (
     "the logits are sharded over the sequence-parallel ranks, so predictions and compute_metrics are not available; "
@@ -204,13 +204,14 @@ class SequenceParallelTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest COMPLETE checkpoint
         (:func:`.trainer_setup.complete_checkpoint`), and a path must be one."""
-        if self.ring_sp_topology is None:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-        resume = complete_checkpoint(self.args.output_dir, resume_from_checkpoint)
-        if self.ring_sp_engine.kind != engines.DEEPSPEED:  # no DeepSpeed engine to route
-            return super().train(resume, *args, **kwargs)
-        with routed_deepspeed_initialize():
-            return super().train(resume, *args, **kwargs)
+        with section_hidden_from_accelerate(self.accelerator) as section:
+            if self.ring_sp_topology is None:
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+            resume = complete_checkpoint(self.args.output_dir, resume_from_checkpoint)
+            if self.ring_sp_engine.kind != engines.DEEPSPEED:  # no DeepSpeed engine to route
+                return super().train(resume, *args, **kwargs)
+            with routed_deepspeed_initialize(section):
+                return super().train(resume, *args, **kwargs)
 
     def _prepare_for_training(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """``Trainer``'s (the model prepared by accelerate), then, before the first step, the check that

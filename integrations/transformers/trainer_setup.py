@@ -174,8 +174,25 @@ def unshard(loader: Any) -> None:
 
 
 @contextlib.contextmanager
-def routed_deepspeed_initialize() -> Iterator[None]:
-    """While active, ``deepspeed.initialize`` (as accelerate calls it) is ring_sp's ``initialize``.
+def section_hidden_from_accelerate(accelerator: Any) -> Iterator[dict[str, Any] | None]:
+    """While active, ``accelerator``'s DeepSpeed config has no ``"ring_sp"`` section (yields it,
+    or None). accelerate takes every ``"auto"`` of that config for a placeholder of its own to
+    fill, and raises where it has none; ring_sp's section (``"layout": "auto"``,
+    ``"kv_exchange": "auto"``, ...) is not accelerate's to fill."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    config = getattr(plugin, "deepspeed_config", None)
+    section = config.pop(rsp_ds.SECTION, None) if isinstance(config, dict) else None
+    try:
+        yield section
+    finally:
+        if section is not None:
+            config.setdefault(rsp_ds.SECTION, section)
+
+
+@contextlib.contextmanager
+def routed_deepspeed_initialize(section: dict[str, Any] | None = None) -> Iterator[None]:
+    """While active, ``deepspeed.initialize`` (as accelerate calls it) is ring_sp's ``initialize``,
+    given ``section`` (the ``"ring_sp"`` section :func:`section_hidden_from_accelerate` took away).
 
     accelerate computes ``train_batch_size`` as micro x GA x ALL ranks; with sequence
     parallelism only ``world / (U x R)`` ranks hold different samples, so it is dropped and
@@ -191,6 +208,8 @@ def routed_deepspeed_initialize() -> Iterator[None]:
         ds_config = None if source is None else dict(rsp_ds.load_config(source))
         if ds_config is not None:
             ds_config.pop("train_batch_size", None)
+            if section is not None:
+                ds_config.setdefault(rsp_ds.SECTION, section)
         deepspeed.initialize = original  # ring_sp's initialize calls the real one
         try:
             engine, *rest = rsp_ds.initialize(*args, config=ds_config, **kwargs)
@@ -247,4 +266,4 @@ def complete_checkpoint(output_dir: str, resume: str | bool | None) -> str | Non
 
 __all__ = ["COMPLETE_MARKER", "SETTINGS_ATTR", "SequenceParallelCollator", "complete_checkpoint",
            "mark_checkpoint_complete", "prepare_sequence_parallel", "registered_topology_for", "ring_sp_settings",
-           "routed_deepspeed_initialize", "unshard"]
+           "routed_deepspeed_initialize", "section_hidden_from_accelerate", "unshard"]

@@ -95,7 +95,7 @@ def zigzag_read_rows(length: int, k: int) -> int:
     return sum(sum(s for i, (_, s) in enumerate(chunks[:2 * k - 1 - j]) if i != j) for j in range(k))
 
 
-def _share(length: int, k: int, tile: tuple[int, int]) -> list[tuple[int, int]]:
+def spread_shares(length: int, k: int, tile: tuple[int, int]) -> list[tuple[int, int]]:
     """(tokens, estimated work) of each rank of a block of ``k`` holding a document of ``length``
     (``k == 1``: whole): each chunk's causal square plus its block against the earlier keys."""
     if k == 1:
@@ -163,10 +163,11 @@ class _Ranks:
         return min(fits, key=self.load) if fits else None
 
 
-def _place(lengths: list[int], starts: list[int], world_size: int, capacity: int, tile: tuple[int, int],
-           limit: int) -> tuple[_Ranks, list[int]]:
-    """One placement in which no rank takes more than ``limit`` estimated work of one document
-    (unless even ``P`` ranks cannot share it so), largest share first."""
+def _items(lengths: list[int], world_size: int, capacity: int, tile: tuple[int, int],
+           limit: int) -> list[tuple[int, int, int]]:
+    """(-share of work, document, spread) of every document, largest share first: the fewest
+    ranks whose shares fit a rank and take at most ``limit`` estimated work each (unless even
+    ``P`` ranks cannot share it so)."""
     spreads = [k for k in range(1, world_size + 1) if world_size % k == 0]
     items = []
     for doc, length in enumerate(lengths):
@@ -176,12 +177,18 @@ def _place(lengths: list[int], starts: list[int], world_size: int, capacity: int
         if length <= capacity and work <= limit:  # whole (most documents: no shares to weigh)
             items.append((-work, doc, 1))
             continue
-        for k in spreads[1:]:  # the fewest ranks whose shares fit a rank and the limit
-            shares = _share(length, k, tile)
+        for k in spreads[1:]:
+            shares = spread_shares(length, k, tile)
             if max(t for t, _ in shares) <= capacity and max(w for _, w in shares) <= limit:
                 break
         items.append((-max(w for _, w in shares), doc, k))
-    items.sort()
+    return sorted(items)
+
+
+def _place(lengths: list[int], starts: list[int], world_size: int, capacity: int, tile: tuple[int, int],
+           items: list[tuple[int, int, int]]) -> tuple[_Ranks, list[int]]:
+    """One placement of :func:`_items`' documents, in their order."""
+    spreads = [k for k in range(1, world_size + 1) if world_size % k == 0]
     ranks = _Ranks(world_size, capacity, sum(lengths), sum(causal_tile_pairs(n, tile) for n in lengths))
     spread = [1] * len(lengths)
     left = []
@@ -212,7 +219,7 @@ def _place(lengths: list[int], starts: list[int], world_size: int, capacity: int
 def _place_spread(ranks: _Ranks, length: int, start: int, k: int, tile: tuple[int, int]) -> bool:
     """Put a document on the rank (``k == 1``) or aligned block of ``k`` ranks with room for its
     shares and the least projected load (a block: its most loaded rank); False when none fits."""
-    shares = _share(length, k, tile)
+    shares = spread_shares(length, k, tile)
     if k == 1:
         rank = ranks.choose(length)
         if rank is None:
@@ -249,9 +256,14 @@ def document_placement(cu_seqlens: Boundaries, world_size: int, tile: tuple[int,
     lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
     total = sum(causal_tile_pairs(n, tile) for n in lengths)
     limit = max(1, -(-total // world_size))  # first: one rank's share of the whole
-    tried = []
+    tried, last = [], None
     for _ in range(_ROUNDS):
-        ranks, spread = _place(lengths, starts, world_size, capacity, tile, limit)
+        items = _items(lengths, world_size, capacity, tile, limit)
+        if items == last:  # the same spreads: the same placement
+            limit = max(1, limit * 3 // 4)
+            continue
+        last = items
+        ranks, spread = _place(lengths, starts, world_size, capacity, tile, items)
         off = max(ranks.work) * world_size * _GOAL[1] - sum(ranks.work) * 100  # over the mean, in 1/100 of it
         tried.append((ranks, spread, off))
         if off <= (_GOAL[0] - 100) * sum(ranks.work) or limit == 1:

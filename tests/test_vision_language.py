@@ -244,6 +244,25 @@ def test_shard_batch_turns_token_type_ids_into_spans_and_refuses_unknown_models(
     assert vision_model_error(_config()) is None and vision_model_error(_config().text_config) is None
 
 
+def test_the_trainers_collator_passes_the_model(ring_sp_one_rank) -> None:
+    """The Trainer's and TRL's collator (SequenceParallelCollator) hands shard_batch the model's
+    config, so a vision-language batch shards under them as under shard_batch(model=...)."""
+    from ring_sp.integrations.transformers.trainer_setup import SequenceParallelCollator
+
+    batch = global_batch(packed=False)
+    model = type("Model", (), {"config": _config()})()  # what the trainers hand over: the model (its config is read)
+    shard = SequenceParallelCollator(lambda features: batch, ring_sp_one_rank, layout="zigzag", model=model)([])
+    assert shard["ring_sp_spans"].tolist() == rsp_shard(batch)["ring_sp_spans"].tolist()
+    with pytest.raises(ValueError, match="pass model="):
+        SequenceParallelCollator(lambda features: batch, ring_sp_one_rank, layout="zigzag")([])
+
+
+def rsp_shard(batch):
+    import ring_sp.integrations.transformers as rsp_hf
+
+    return rsp_hf.shard_batch(batch, None, model=_config())
+
+
 def test_each_rank_encodes_the_images_of_its_tokens() -> None:
     from ring_sp.integrations.transformers.multimodal import shard_images
 

@@ -1,16 +1,19 @@
 """``python -m benchmarks.gpu_check``: what a few minutes of one GPU should measure (issue 32).
 
-    python -m benchmarks.gpu_check --out $OUT --wheels .whl           # one H100/H200: within 8 minutes
+    python -m benchmarks.gpu_check --out $OUT --wheels .whl           # one H100/H200: within 9 minutes
     python -m benchmarks.gpu_check --quick --out $OUT --wheels .whl   # within 3 minutes
     python -m benchmarks.gpu_check --dry --out /tmp/gpu_check         # CPU, tiny sizes: every code path (CI)
 
-Sections, in order, each under its own time cap: ``kernel_tests`` (tests/test_kernels_cuda.py),
+Sections, in order of value, each under its own time cap and all under ``--budget`` (seconds
+from the start; a section gets at most its cap's share of what is left): ``step`` (the whole
+step with ring_sp's defaults against ALST's modules and untiled, with its top kernels),
 ``efficiency`` (each backend's attention rate against cuDNN SDPA, then the ring schedule's
-blocks against one fused kernel, forward and backward), ``step`` (the whole step with ring_sp's
-defaults against ALST's modules and untiled, with its top kernels) and ``memory`` (the
+blocks against one fused kernel, forward and backward, packed documents of a real length
+distribution among them), ``kernel_tests`` (tests/test_kernels_cuda.py) and ``memory`` (the
 whole-step memory model against the allocator on transformers' Llama through ring_sp's and
-ALST's recipes, each one's longest N on the card). The memory section runs last: its probes
-run the card out of memory on purpose, and a run cut short has the timed sections already.
+ALST's recipes, then each one's longest N on the card, whose probes stop at the section's
+deadline and record how far they got). The memory section runs last: its probes run the
+card out of memory on purpose, and a run cut short has the timed sections already.
 Writes into
 ``--out`` (default ``$OUT``): ``gpu_check.jsonl`` (one JSON record per line, each written as
 it is measured), ``gpu_check.md`` (the card and the tables, rewritten after each section)
@@ -44,12 +47,13 @@ from .preflight import card, card_markdown, install_wheels, missing  # noqa: E40
 from .seam import Deadline, Seam  # noqa: E402
 
 Record = dict[str, Any]
-SECTIONS = ("kernel_tests", "efficiency", "step", "memory")
-CAPS = {  # seconds per section: full within 8 minutes on an H100 (with start-up), quick within 3
-    "full": {"kernel_tests": 60, "efficiency": 100, "step": 100, "memory": 190},
-    "quick": {"kernel_tests": 25, "efficiency": 35, "step": 35, "memory": 60},
-    "dry": {"kernel_tests": 60, "efficiency": 60, "step": 60, "memory": 60},
+SECTIONS = ("step", "efficiency", "kernel_tests", "memory")
+CAPS = {  # seconds per section: full within 9 minutes on an H100 (with start-up), quick within 3
+    "full": {"step": 110, "efficiency": 110, "kernel_tests": 50, "memory": 170},
+    "quick": {"step": 35, "efficiency": 35, "kernel_tests": 25, "memory": 60},
+    "dry": {"step": 60, "efficiency": 60, "kernel_tests": 60, "memory": 60},
 }
+BUDGETS = {"full": 500.0, "quick": 170.0, "dry": None}  # seconds for the whole run, start-up included
 CONFIGS = {"full": (memory.FULL, efficiency.FULL, step.FULL), "quick": (memory.QUICK, efficiency.QUICK, step.QUICK),
            "dry": (memory.DRY, efficiency.DRY, step.DRY)}
 
@@ -65,6 +69,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     for name in SECTIONS:
         p.add_argument(f"--cap-{name.replace('_', '-')}", type=float, help=f"seconds for {name} (default per mode)")
+    p.add_argument("--budget", type=float, help="seconds for the whole run from its start (default: 500 full, 170 quick, "
+                                                "none dry); each section gets at most its cap's share of what is left")
     args = p.parse_args(argv)
     if args.out is None:
         p.error("--out is required when $OUT is not set")
@@ -90,6 +96,15 @@ def section_command(name: str, mode: str, args: argparse.Namespace) -> str:
     flags = {"full": "", "quick": " --quick", "dry": " --dry"}[mode]
     wheels = f" --wheels {args.wheels}" if args.wheels else ""
     return f"python -m benchmarks.gpu_check --sections {name}{flags}{wheels} --out {args.out}"
+
+
+def section_cap(caps: dict[str, float], remaining: list[str], left: float | None) -> float:
+    """The first of ``remaining`` sections' seconds: its cap, or its cap's share of the ``left``
+    budget when the caps of every remaining section would not fit (never below 1 s)."""
+    cap = caps[remaining[0]]
+    if left is None:
+        return cap
+    return max(1.0, min(cap, left * cap / sum(caps[name] for name in remaining)))
 
 
 def run_section(name: str, seam: Seam, mode: str, deadline: Deadline, log: Callable[[str], None],
@@ -161,11 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     results.add([card(seam, command, mode, caps, wheels, skips)])
     elapsed: dict[str, Any] = {}
     failed = False
-    for name in args.sections:
+    budget = args.budget if args.budget is not None else BUDGETS[mode]
+    for at, name in enumerate(args.sections):
         begin = time.monotonic()
         status = "done"
+        cap = section_cap(caps, args.sections[at:], None if budget is None else budget - (begin - started))
         try:  # records are written as they come: a failure keeps what was measured before it
-            for r in run_section(name, seam, mode, Deadline(caps[name]), log, args.out):
+            for r in run_section(name, seam, mode, Deadline(cap), log, args.out):
                 results.add([{**r, "command": section_command(name, mode, args)}])
         except Exception as exc:  # noqa: BLE001  (one section's failure is recorded; the next still runs)
             traceback.print_exc()
@@ -173,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             results.add([{"section": name, "error": f"{type(exc).__name__}: {exc}"[:500],
                           "command": section_command(name, mode, args)}])
         seam.release()  # what a section left cached (the step section's four models) goes back before the next
-        elapsed[name] = {"elapsed_s": time.monotonic() - begin, "cap_s": caps[name], "status": status,
+        elapsed[name] = {"elapsed_s": time.monotonic() - begin, "cap_s": cap, "status": status,
                          "command": section_command(name, mode, args)}
         results.add([{"section": "section_time", "name": name, **elapsed[name]}])
         (args.out / "gpu_check.md").write_text(summary(results.records, elapsed))

@@ -16,7 +16,9 @@ overhead. Against it, the same backend's kernel:
   the ideal is the full causal kernel's rate over the schedule's pairs: full x pairs / causal
   pairs; efficiency = that / sum;
 * ``packed`` (``document_zigzag``, random document cuts): one causal call per document,
-  summed (what one varlen kernel would do); efficiency = that / sum.
+  summed (what one varlen kernel would do); efficiency = that / sum;
+* ``packed_real`` (``document_balanced``, documents of ProLong's published length statistics,
+  ``benchmarks.packed``): the same baseline; what users' packed batches cost.
 
 Every record also has ``efficiency_work`` per direction (the full kernel's rate over the
 schedule's pairs, for all three alike) and, at the first size of each schedule, ``P`` and
@@ -42,6 +44,7 @@ from ring_sp.kernels import AttentionKernel, get_kernel
 from ring_sp.kernels.reference import ReferenceKernel
 from ring_sp.ring import ring_forward
 
+from .. import packed
 from ..schedule_cost import random_boundaries
 from ..tables import table
 from . import attention_rate
@@ -49,12 +52,12 @@ from .loopback import ring_grads, ring_outputs, ring_rank_backward, rank_specs
 from .seam import Deadline, Seam
 
 Record = dict[str, Any]
-SCHEDULES = ("zigzag", "window", "packed")
+SCHEDULES = ("zigzag", "window", "packed", "packed_real")
 DIRECTIONS = ("forward", "backward")
 FLOPS_PER_PAIR = {"forward": 4, "backward": 4 * attention_rate.BACKWARD_FLOPS}  # x head_dim x heads
-GROWTH = {"full": 2, "zigzag": 2, "window": 1, "packed": 1}  # how a point's time grows with N (its work)
+GROWTH = {"full": 2, "zigzag": 2, "window": 1, "packed": 1, "packed_real": 1}  # how a point's time grows with N
 REFERENCE_LIMIT = 2**28  # score elements of the window's reference check (N^2 x heads)
-EFFICIENCY_TARGETS = {"zigzag": 0.95, "window": 0.85, "packed": 0.85}
+EFFICIENCY_TARGETS = {"zigzag": 0.95, "window": 0.85, "packed": 0.85, "packed_real": 0.85}
 ZIGZAG_TARGET_TOKENS = 16384  # zigzag's target holds at >= this many tokens per rank
 
 
@@ -67,6 +70,7 @@ class EfficiencyConfig:
     head_dim: int = 128
     window: int = 4096
     document_tokens: int = 16384  # packed: N // this documents (at least 2), random cuts
+    real_lengths: str = "prolong"  # packed_real: documents of this benchmarks.packed distribution, document_balanced
     repeats: int = 2
     long_point_s: float = 4.0  # a point predicted longer than this is timed once (after its warm-up)
     rate_tokens: int = 32768  # the attention rate's single causal call
@@ -87,6 +91,8 @@ def problem(schedule: str, world_size: int, seq_len: int, cfg: EfficiencyConfig
         return "zigzag", None, None
     if schedule == "window":
         return "contiguous", None, cfg.window
+    if schedule == "packed_real":  # whole documents where they fit, as users pack them
+        return "document_balanced", packed.pack(cfg.real_lengths, seq_len, seed=world_size), None
     documents = max(2, seq_len // cfg.document_tokens)
     return "document_zigzag", random_boundaries(seq_len, documents, seed=seq_len + world_size), None
 
@@ -180,7 +186,7 @@ class _Backend:
                           "documents": None if cu is None else len(cu) - 1, "pairs": pairs,
                           "causal_pairs": causal_pairs,
                           "blocks": sum(len(tasks) for spec in specs for tasks in spec.schedule)}
-        if schedule == "packed":
+        if schedule in ("packed", "packed_real"):
             baseline_s, want_out, want_grads = self.per_document(cu)  # type: ignore[arg-type]
             record["baseline"] = "one causal kernel call per document"
         elif schedule == "zigzag":
@@ -287,8 +293,8 @@ def markdown(records: list[Record]) -> list[str]:
     out += ["" if out else None, f"Forward and backward of every rank's block schedule, one rank after another on one "
             f"device ({first['heads']} q / {first['kv_heads']} kv heads x {first['head_dim']}, {first['dtype']}; "
             "`ring_forward` / `ring_backward` with a loopback for the ring), against the same backend's baseline "
-            "(zigzag: one causal call over N; window: that call's rate over the schedule's pairs; packed: one causal "
-            "call per document). Efficiency = baseline / sum of the ranks; TFLOP/s over the schedule's pairs. Check "
+            "(zigzag: one causal call over N; window: that call's rate over the schedule's pairs; packed and packed_real: "
+            "one causal call per document). Efficiency = baseline / sum of the ranks; TFLOP/s over the schedule's pairs. Check "
             "(first size of each): output max abs diff / gradients' max error over the largest entry.", ""]
     out += table(["schedule", "P", "tokens/rank", "N", "backend", "fwd baseline ms", "fwd sum ms", "fwd eff.",
                   "fwd TFLOP/s", "bwd baseline ms", "bwd sum ms", "bwd eff.", "bwd TFLOP/s", "check"], body)

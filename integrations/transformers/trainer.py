@@ -136,7 +136,7 @@ class SequenceParallelTrainer(Trainer):
         self.ring_sp_topology = self._check_setup(sp)
         # the trainer agrees on the batches' errors once per step over all ranks (get_batch_samples)
         self.data_collator = SequenceParallelCollator(self.data_collator, self.ring_sp_topology, layout=sp.layout,
-                                                      validate=False)
+                                                      validate=False, model=self.model)
         # the loss below takes num_items_in_batch: the Trainer must not divide it by the GA steps again
         self.model_accepts_loss_kwargs = True
         if self.ring_sp_engine.kind != engines.DEEPSPEED:

@@ -145,17 +145,21 @@ class SequenceParallelCollator:
     ``position_ids``, ``shift_labels`` (and ``cu_seq_lens_q/k`` for packed documents),
     each ``[b, N / sp_size]``. ``validate``: ``shard_batch``'s (its errors raised on every
     rank of the SP group by one agreement; none in DataLoader workers); the trainers pass
-    False and agree once per step over all ranks instead.
+    False and agree once per step over all ranks instead. ``model``: ``shard_batch``'s, the
+    model's config (a vision-language model's ``token_type_ids`` and ``pixel_values`` become its
+    spans and this shard's images; the trainers pass their model's).
     """
 
     def __init__(self, collator: Callable[[list[Any]], Mapping[str, Any]], topology: SequenceParallelTopology,
-                 *, layout: str, validate: bool | None = None) -> None:
+                 *, layout: str, validate: bool | None = None, model: Any = None) -> None:
         if not callable(collator):
             raise TypeError(f"collator must be callable; got {type(collator).__name__}")
         self.collator, self.topology, self.layout, self.validate = collator, topology, layout, validate
+        self.model = getattr(model, "config", model)  # the config: what shard_batch reads, and cheap to pickle
 
     def __call__(self, features: list[Any]) -> dict[str, torch.Tensor]:
-        return shard_batch(self.collator(features), self.topology, layout=self.layout, validate=self.validate)
+        return shard_batch(self.collator(features), self.topology, layout=self.layout, validate=self.validate,
+                           model=self.model)
 
 
 def unshard(loader: Any) -> None:

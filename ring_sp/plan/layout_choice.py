@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layouts import AUTO, as_boundaries
-from ..placement import _share, document_placement, effective_tile, zigzag_read_rows
+from ..placement import document_placement, effective_tile, spread_shares, zigzag_read_rows
 from ..runs import Boundaries
 from .presets import DEFAULT_EFFICIENCY, GPUS, LINKS
 
@@ -56,7 +56,7 @@ def layout_costs(cu_seqlens: Boundaries, world_size: int) -> tuple[LayoutCost, L
     lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]) if b > a]
     zigzag_work = [0] * world_size
     for length in lengths:  # every document spread over all ranks
-        for rank, (_, work) in enumerate(_share(length, world_size, tile)):
+        for rank, (_, work) in enumerate(spread_shares(length, world_size, tile)):
             zigzag_work[rank] += work
     row = row_cost_in_pairs()
 

@@ -60,6 +60,6 @@ class MessageRows:
             shard.index_add_(1, self.index(shard.device)[part], message)
 
 
-def message_rows(rows: tuple[RowSet | None, ...], local_len: int) -> tuple[MessageRows | None, ...]:
+def messages(rows: tuple[RowSet | None, ...], local_len: int) -> tuple[MessageRows | None, ...]:
     """Each step's :class:`MessageRows` (None: no message)."""
     return tuple(None if r is None else MessageRows(r, local_len) for r in rows)

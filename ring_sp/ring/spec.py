@@ -24,7 +24,7 @@ from ..schedule import BlockTask, ExchangePlan, KernelCaps, RowSet, exchange_pla
 from ..schedule_cache import ScheduleCache
 from ..spans import Spans
 from .calls import CallPlan, Launch, kernel_caps
-from .rows import message_rows
+from .rows import messages
 
 
 class RingSpec:
@@ -101,7 +101,7 @@ def _ring_schedule(planner: Callable[..., ExchangePlan], layout: str, causal: bo
         send_rows = tuple(None if rows is None else whole for rows in send_rows)
     schedule = tuple(tasks if step == 0 or not tasks else _in_message(tasks, recv_rows[step])
                      for step, tasks in enumerate(plan.schedule))
-    return schedule, message_rows(recv_rows, local_len), message_rows(send_rows, local_len), CallPlan(schedule, caps)
+    return schedule, messages(recv_rows, local_len), messages(send_rows, local_len), CallPlan(schedule, caps)
 
 
 def _in_message(tasks: tuple[BlockTask, ...], rows: RowSet) -> tuple[BlockTask, ...]:

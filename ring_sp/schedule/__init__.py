@@ -14,7 +14,8 @@ from .blocks import BlockTask, bottom_right_window, interval_blocks, ring_step_t
 from .calls import KernelCall, KernelCaps, step_calls
 from .documents import document_steps, document_zigzag_steps, packed_step_tasks
 from .pairs import PairCount, call_pairs, mask_pairs, rank_pair_count
-from .ring_pass import ExchangePlan, Rows, RowSet, causal_work_per_rank, exchange_plan, message_rows, row_count, step_tasks
+from .ring_pass import (ExchangePlan, Rows, RowSet, causal_work_per_rank, exchange_plan, message_rows, read_rows,
+                        row_count, step_tasks)
 from .spans import span_step_tasks
 from .windows import band_blocks, window_step_tasks
 
@@ -38,6 +39,7 @@ __all__ = [
     "message_rows",
     "packed_step_tasks",
     "rank_pair_count",
+    "read_rows",
     "row_count",
     "ring_step_tasks",
     "span_step_tasks",

@@ -119,9 +119,10 @@ class _ShardRuns:
 
 
 @memoised(documents=64)  # keyed by the documents (a new packing can come every step) and the ring rank
-def _ring_runs(layout: str, ulysses_size: int, ring_size: int, seq_len: int, cu_seqlens: Boundaries,
-               ring_rank: int) -> _ShardRuns:
-    """:class:`_ShardRuns` of ring rank ``ring_rank``'s shard of a document layout: O(documents)."""
+def ring_runs(layout: str, ulysses_size: int, ring_size: int, seq_len: int, cu_seqlens: Boundaries | None,
+              ring_rank: int) -> _ShardRuns:
+    """:class:`_ShardRuns` of ring rank ``ring_rank``'s shard (unit-stride layouts): O(runs + documents),
+    built once per packing and rank for every step and pair of a pass."""
     return _ShardRuns.of(shard_runs(layout, ulysses_size, ring_size, seq_len, ring_rank, cu_seqlens), cu_seqlens)
 
 
@@ -253,7 +254,7 @@ def document_steps(layout: str, causal: bool, pairs: list[tuple[int, int]], worl
     shard_runs(layout, ulysses_size, world_size, seq_len, 0, cu_seqlens)  # validates (cached)
     if not all(0 <= r < world_size for pair in pairs for r in pair):
         raise ValueError(f"pairs={pairs} must all be ring ranks in [0, {world_size})")
-    return _pair_steps(causal, functools.partial(_ring_runs, layout, ulysses_size, world_size, seq_len, cu_seqlens),
+    return _pair_steps(causal, functools.partial(ring_runs, layout, ulysses_size, world_size, seq_len, cu_seqlens),
                        len(cu_seqlens) - 1, pairs)
 
 

@@ -70,18 +70,23 @@ def row_count(rows: RowSet | None) -> int:
     return 0 if rows is None else sum(b - a for a, b in rows)
 
 
-def message_rows(tasks: tuple[BlockTask, ...], local_len: int) -> RowSet | None:
-    """The rows of a KV shard that ``tasks`` read (their keys), merged into sorted ranges; the whole
-    shard when that is at least 90% of it (sending it costs no staging copy); None when no block."""
-    if not tasks:
-        return None
+def read_rows(tasks: tuple[BlockTask, ...]) -> RowSet:
+    """The rows of a KV shard that ``tasks`` read (their keys), merged into sorted ranges."""
     merged: list[list[int]] = []
     for a, b in sorted((t.kv.start, t.kv.stop) for t in tasks):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    rows = tuple((a, b) for a, b in merged)
+    return tuple((a, b) for a, b in merged)
+
+
+def message_rows(tasks: tuple[BlockTask, ...], local_len: int) -> RowSet | None:
+    """The rows of a KV shard that ``tasks`` read (:func:`read_rows`); the whole shard when that is
+    at least 90% of it (sending it costs no staging copy); None when no block."""
+    if not tasks:
+        return None
+    rows = read_rows(tasks)
     if row_count(rows) * _WHOLE_SHARE[1] >= local_len * _WHOLE_SHARE[0]:
         return ((0, local_len),)
     return rows

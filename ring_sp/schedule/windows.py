@@ -20,7 +20,7 @@ import torch
 from ..layouts import LAYOUTS, Boundaries, shard_runs
 from ..runs import ShardRuns
 from .blocks import BlockTask, bottom_right_window, interval_blocks, shifted
-from .documents import matching_pairs, shard_pieces
+from .documents import matching_pairs, ring_runs, shard_pieces
 
 
 def band_blocks(q: tuple[int, int], kv: tuple[int, int], window: int, native_window: bool = False) -> list[BlockTask]:
@@ -97,16 +97,20 @@ def _lower_edge(block: BlockTask, window: int) -> list[BlockTask]:
     return pieces
 
 
-def _runs(shard: ShardRuns, frame_start: int | None, cu_seqlens: Boundaries | None) -> tuple[torch.Tensor, ...]:
-    """A shard's runs of consecutive global positions (``frame_start`` None), or, for striped,
-    its one run in the local frame starting at ``frame_start``; cut at document boundaries:
-    LongTensors (local start, local stop, frame coordinate of the local start, document id),
-    documents in increasing order."""
-    if frame_start is None:
-        return shard_pieces(shard, cu_seqlens)
-    # striped: the local frame advances one per local token; only documents cut it
+def _striped_runs(shard: ShardRuns, frame_start: int, cu_seqlens: Boundaries | None) -> tuple[torch.Tensor, ...]:
+    """A striped shard as one run in the local frame starting at ``frame_start``, cut at document
+    boundaries: LongTensors (local start, local stop, frame coordinate of the local start,
+    document id), documents in increasing order."""
     begin, end, _, docs = shard_pieces(shard, cu_seqlens, consecutive=False)
     return begin, end, begin + frame_start, docs
+
+
+def _global_runs(layout: str, ulysses_size: int, world_size: int, local_len: int, rank: int,
+                 cu_seqlens: Boundaries | None) -> tuple[torch.Tensor, ...]:
+    """A ring shard's runs of consecutive global positions, as :func:`_striped_runs` gives them
+    (the frame is the global position), cached per packing and rank (:func:`.documents.ring_runs`)."""
+    runs = ring_runs(layout, ulysses_size, world_size, local_len * world_size, cu_seqlens, rank)
+    return runs.local, runs.local + (runs.stop - runs.start), runs.start, runs.doc
 
 
 def window_step_tasks(layout: str, rank: int, source: int, world_size: int, local_len: int, window: int,
@@ -120,17 +124,18 @@ def window_step_tasks(layout: str, rank: int, source: int, world_size: int, loca
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     # the ring shards (after the Ulysses all-to-all over ulysses_size ranks, in increasing order)
-    q_shard, kv_shard = (shard_runs(layout, ulysses_size, world_size, local_len * world_size, r, cu_seqlens)
-                         for r in (rank, source))
     if layout == "striped" and world_size > 1:
+        q_shard, kv_shard = (shard_runs(layout, ulysses_size, world_size, local_len * world_size, r, cu_seqlens)
+                             for r in (rank, source))
         # query a (position rank + R*a) vs key c (source + R*c): c <= a (source <= rank) or
         # c <= a - 1 (source > rank); c > a - ceil((window - (rank - source)) / R).
         shift = 1 if source > rank else 0
         frame_window = -(-(window - (rank - source)) // world_size) - shift
-        q_runs, kv_runs = _runs(q_shard, -shift, cu_seqlens), _runs(kv_shard, 0, cu_seqlens)
+        q_runs, kv_runs = _striped_runs(q_shard, -shift, cu_seqlens), _striped_runs(kv_shard, 0, cu_seqlens)
     else:
         frame_window = window
-        q_runs, kv_runs = _runs(q_shard, None, cu_seqlens), _runs(kv_shard, None, cu_seqlens)
+        q_runs, kv_runs = (_global_runs(layout, ulysses_size, world_size, local_len, r, cu_seqlens)
+                           for r in (rank, source))
     (qa, qb, qf, q_doc), (ka, kb, kf, kv_doc) = q_runs, kv_runs
     qi, ki = matching_pairs(q_doc, kv_doc)  # run pairs of one document, by query run then key run
     qa, qb, qf, ka, kb, kf = qa[qi], qb[qi], qf[qi], ka[ki], kb[ki], kf[ki]

@@ -21,10 +21,10 @@ Balance is on what a GPU pays: score pairs rounded up to the kernel's ``(rows, k
 so small packs balance as large ones do). Per-token work (projections, MLP, loss) is the same on
 every rank, as every rank holds the same number of tokens. Documents are placed largest
 share first on the rank (block) with room and the least projected load (LPT); while the result
-is off balance the most a rank may take of one document shrinks by a quarter and the
-placement runs again (a few rounds); of those within 4% of the mean, the one whose ranks
-read the fewest rows of one another wins. O(documents x P) integer work per round, no tensor
-per token.
+is more than 4% off the mean, the most a rank may take of one document shrinks by a quarter
+and the placement runs again (a few rounds; the first within 4% wins: the fewest documents
+cut, the fewest rows read across ranks), else the best balanced of them. O(documents x P)
+integer work per round, no tensor per token.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from .runs import Boundaries, ShardRuns, memoised
 
 PLACEMENT_TILE = (128, 64)  # (query rows, keys) of a FlashAttention-2/3 or cuDNN tile on Hopper
 _SMALL_SHARD_TILES = 8  # a shard shorter than this many tiles places with proportionally smaller tiles
-_GOAL = (102, 100)  # estimated max/mean work at which no narrower placement is tried
-_ACCEPT = (104, 100)  # estimated max/mean work within which the placement reading the fewest rows wins
+_ACCEPT = (104, 100)  # estimated max/mean work accepted: the first placement within it (the fewest cuts) wins
 _ROUNDS = 12  # at most this many placements, each allowing 3/4 of the previous share of one document
 
 
@@ -264,15 +263,12 @@ def document_placement(cu_seqlens: Boundaries, world_size: int, tile: tuple[int,
             continue
         last = items
         ranks, spread = _place(lengths, starts, world_size, capacity, tile, items)
-        off = max(ranks.work) * world_size * _GOAL[1] - sum(ranks.work) * 100  # over the mean, in 1/100 of it
-        tried.append((ranks, spread, off))
-        if off <= (_GOAL[0] - 100) * sum(ranks.work) or limit == 1:
+        over = max(ranks.work) * world_size * _ACCEPT[1] - sum(ranks.work) * _ACCEPT[0]  # > 0: past the accepted
+        tried.append((over / max(1, sum(ranks.work)), ranks, spread))
+        if over <= 0 or limit == 1:  # within: later rounds only cut more documents, and move more rows
             break
         limit = max(1, limit * 3 // 4)
-    # the fewest rows read across ranks among the placements within the accepted imbalance, else the best balanced
-    within = [t for t in tried if t[2] <= (_ACCEPT[0] - 100) * sum(t[0].work)]
-    ranks, spread, _ = (min(within, key=lambda t: t[0].read_rows) if within
-                        else min(tried, key=lambda t: t[2] / max(1, sum(t[0].work))))
+    _, ranks, spread = min(tried, key=lambda t: t[0])  # the last when it is within, else the best balanced
     runs = []
     for pieces in ranks.pieces:
         pieces.sort()

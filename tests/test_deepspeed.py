@@ -374,7 +374,8 @@ def test_dp2_x_sp2_equals_full_sequence(pools, stage: int, u: int, r: int) -> No
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("layout,u,r", [("document_zigzag", 2, 2), ("zigzag", 1, 4), ("striped", 4, 1)])
+@pytest.mark.parametrize("layout,u,r", [("document_zigzag", 2, 2), ("zigzag", 1, 4), ("striped", 4, 1),
+                                        ("document_balanced", 2, 2), ("auto", 1, 4)])
 def test_packed_documents_equal_per_document_attention(pools, layout: str, u: int, r: int) -> None:
     """Issue 8: the packed data pipeline (cu_seqlens, in-document labels and positions)
     trains exactly like one rank attending inside each document of the full row."""

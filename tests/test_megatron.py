@@ -640,7 +640,7 @@ def test_example_trains_on_packed_documents() -> None:
 
 
 def unpadded_thd_case(ulysses: int, position_embedding_type: str = "learned_absolute",
-                      primes: bool = False) -> dict[str, object]:
+                      primes: bool = False, layout: str = "document_zigzag") -> dict[str, object]:
     """CP = 4 on THD documents of any length (``per_document_padding=False``: at most the
     row's end padded) against every document run alone at CP = 1: :func:`_documents`, or
     :func:`_prime_documents` with ``primes``. With ``position_embedding_type="rope"`` the
@@ -652,8 +652,8 @@ def unpadded_thd_case(ulysses: int, position_embedding_type: str = "learned_abso
     tokens, cu = documents()
     parallel_state.initialize_model_parallel(context_parallel_size=4, create_gloo_process_groups=False)
     try:
-        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=False)
-        spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(ulysses_size=ulysses, layout="document_zigzag"),
+        shard, packed = rsm.thd_batch_on_this_cp_rank(tokens[None], cu, per_document_padding=False, layout=layout)
+        spec = rsm.get_gpt_layer_ring_sp_spec(rsm.RingSPConfig(ulysses_size=ulysses, layout=layout),
                                               normalization="RMSNorm")
         model = _model(spec, 1, 4, params, position_embedding_type=position_embedding_type)
         losses = model(shard["tokens"], shard["position_ids"], None, labels=shard["labels"], packed_seq_params=packed)
@@ -679,9 +679,13 @@ def unpadded_thd_case(ulysses: int, position_embedding_type: str = "learned_abso
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("ulysses", [pytest.param(2, id="cp4-u2xr2"), pytest.param(1, id="cp4-u1xr4")])
-def test_unpadded_thd_documents_equal_per_document_cp1(pools, ulysses: int) -> None:
-    for r in pools.get(4).run(unpadded_thd_case, ulysses, timeout=240):
+@pytest.mark.parametrize("ulysses,layout", [pytest.param(2, "document_zigzag", id="cp4-u2xr2"),
+                                            pytest.param(1, "document_zigzag", id="cp4-u1xr4"),
+                                            pytest.param(2, "document_balanced", id="cp4-u2xr2-balanced"),
+                                            pytest.param(1, "auto", id="cp4-u1xr4-auto")])
+def test_unpadded_thd_documents_equal_per_document_cp1(pools, ulysses: int, layout: str) -> None:
+    """Issue 14 (and 44: Megatron's THD batches placed by document_balanced, or per batch by auto)."""
+    for r in pools.get(4).run(unpadded_thd_case, ulysses, layout=layout, timeout=240):
         assert r["tokens"] == 60  # 60 real tokens, no document padded (60 is a multiple of CP = 4)
         assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
         assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6, r
@@ -731,9 +735,11 @@ def test_document_angles_are_positions_inside_each_document_where_megatrons_thd_
                                          cu_seqlens=torch.tensor(cu, dtype=torch.int32), cp_group=group)
 
 
-@pytest.mark.parametrize("ulysses", [pytest.param(2, id="cp4-u2xr2"), pytest.param(1, id="cp4-u1xr4")])
-def test_unpadded_rope_documents_equal_per_document_cp1(pools, ulysses: int) -> None:
-    for r in pools.get(4).run(unpadded_thd_case, ulysses, "rope", True, timeout=240):
+@pytest.mark.parametrize("ulysses,layout", [pytest.param(2, "document_zigzag", id="cp4-u2xr2"),
+                                            pytest.param(1, "document_zigzag", id="cp4-u1xr4"),
+                                            pytest.param(2, "document_balanced", id="cp4-u2xr2-balanced")])
+def test_unpadded_rope_documents_equal_per_document_cp1(pools, ulysses: int, layout: str) -> None:
+    for r in pools.get(4).run(unpadded_thd_case, ulysses, "rope", True, layout, timeout=240):
         assert r["tokens"] == sum(PRIME_LENGTHS) and not r["padded"] and r["handed"], r  # no padding anywhere
         assert math.isclose(r["loss"], r["ref_loss"], rel_tol=1e-6), r
         assert r["ref_grad_max"] > 1e-3 and r["grad_err"] <= 1e-6, r

@@ -25,7 +25,9 @@ that takes bands and varlen calls (FlashAttention-2/3, cuDNN) with 128 x 64 tile
 * **tiles**: score pairs computed in 128 x 64 tiles / pairs the mask needs (sum over ranks);
 * **bytes**: KV moved per pass (forward), Llama-3-8B's 8 KV heads x 128 in bf16 (4 KiB a token,
   all U rings together), the rows moved over the rows some block reads, the share of the
-  rows ``document_zigzag`` moves, and the part crossing nodes of 8 GPUs (P = 16 spans two);
+  rows ``document_zigzag`` moves, what relaying the same rows neighbour to neighbour would move
+  instead of the direct sends (a row read ``t`` ranks away crosses ``t`` links; why the ring
+  sends at offset ``t``), and the part crossing nodes of 8 GPUs (P = 16 spans two);
 * **calls**: kernel calls per step of the busiest rank (its mean over the steps that compute);
 * **build**: one rank's schedule, built cold (placement, both ends of every message, kernel calls),
   without a window and with a 4K one.
@@ -123,7 +125,7 @@ def schedule_record(distribution: str, cu: tuple[int, ...], layout: str, world_s
     # the best of three (the first also warms torch's ops; a busy moment of the machine hits one)
     build_s, window_s = (min(_cold(lambda: build(window))[1] for _ in range(3)) for window in (None, WINDOW))
     positions = [shard_runs(layout, ulysses, ring, seq_len, r, cu).positions() for r in range(ring)]
-    computed, needed, calls, moved, read, inter = [], 0, [], 0, 0, 0
+    computed, needed, calls, moved, read, inter, relayed = [], 0, [], 0, 0, 0, 0
     for rank in range(ring):
         plan = exchange_plan(layout, True, rank, ring, n, cu, None, True, ulysses_size=ulysses)
         steps = [step_calls(tasks, CAPS) for tasks in plan.schedule]
@@ -134,6 +136,7 @@ def schedule_record(distribution: str, cu: tuple[int, ...], layout: str, world_s
         for step in range(1, ring):
             sent = row_count(plan.send_rows[step])
             moved += sent
+            relayed += sent * step  # the same rows relayed neighbour to neighbour: step hops each
             read += row_count(read_rows(plan.schedule[step]))
             if (rank * ulysses) // GPUS_PER_NODE != (((rank + step) % ring) * ulysses) // GPUS_PER_NODE:
                 inter += sent
@@ -143,7 +146,7 @@ def schedule_record(distribution: str, cu: tuple[int, ...], layout: str, world_s
     return {"distribution": distribution, "seq_len": seq_len, "documents": len(cu) - 1, "world_size": world_size,
             "ulysses": ulysses, "layout": layout, "balance": max(computed) / mean if mean else 1.0,
             "balance_with_linear": (max(computed) + linear) / (mean + linear), "tiles": sum(computed) / max(1, needed),
-            "kv_mb": moved * KV_BYTES_PER_TOKEN / 2**20, "moved_rows": moved, "read_rows": read,
+            "kv_mb": moved * KV_BYTES_PER_TOKEN / 2**20, "moved_rows": moved, "read_rows": read, "relayed_rows": relayed,
             "inter_node_mb": inter * KV_BYTES_PER_TOKEN / 2**20, "calls_per_step": max(calls), "build_ms": 1e3 * build_s,
             "window_build_ms": 1e3 * window_s}
 
@@ -221,14 +224,15 @@ def _rows(records: list[dict]) -> list[list[str]]:
         rows.append([r["distribution"], f"{r['seq_len'] >> 10}K", str(r["documents"]), f"U{r['ulysses']}xR{r['world_size'] // r['ulysses']}",
                      r["layout"], f"{r['balance']:.3f}", f"{r['balance_with_linear']:.3f}", f"{r['tiles']:.2f}",
                      f"{r['kv_mb']:.0f}", f"{r['moved_rows'] / max(1, r['read_rows']):.2f}" if r["read_rows"] else "-",
-                     f"{share:.2f}", f"{r['inter_node_mb']:.0f}" if r["world_size"] > GPUS_PER_NODE else "-",
+                     f"{share:.2f}", f"{r['relayed_rows'] / max(1, r['moved_rows']):.1f}" if r.get("relayed_rows") else "-",
+                     f"{r['inter_node_mb']:.0f}" if r["world_size"] > GPUS_PER_NODE else "-",
                      f"{r['calls_per_step']:.1f}", f"{r['build_ms']:.0f}",
                      f"{r['window_build_ms']:.0f}" if "window_build_ms" in r else "-"])
     return rows
 
 
 HEADER = ["pack", "N", "docs", "grid", "layout", "balance", "with linear", "tiles", "KV MiB/pass", "moved/read",
-          "of doc_zigzag", "inter-node MiB", "calls/step", "build ms", "build ms, W = 4K"]
+          "of doc_zigzag", "relay/direct", "inter-node MiB", "calls/step", "build ms", "build ms, W = 4K"]
 
 
 def _plot(records: list[dict], path: Path) -> None:

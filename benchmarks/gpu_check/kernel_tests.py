@@ -28,7 +28,10 @@ COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|desel
 
 
 def command(selection: str) -> list[str]:
-    return [sys.executable, "-m", "pytest", TEST_FILE, "-q", "-p", "no:cacheprovider", *SELECTIONS[selection]]
+    # pytest.ini's addopts replaced: one process on the card (its -n 2 needs pytest-xdist, which a GPU
+    # image may lack, and two workers would share the one GPU), the default suite's selection kept
+    return [sys.executable, "-m", "pytest", TEST_FILE, "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "not slow",
+            *SELECTIONS[selection]]
 
 
 def summary(output: str) -> tuple[str, dict[str, int]]:

@@ -19,14 +19,16 @@ Whatever the placement, the sequence layout uses ``sp_rank = ring_rank * U + uly
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .data import shard_batch, sharded_together
 from .grid import PLACEMENTS, Coordinates, RankGrid, check_sizes, rank_grid
+from .nodes import check_node_size, describe_links, grid_links, node_size_from_env, placement_advice
 from .sequence_shards import gather_sequence, shard_sequence
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class SequenceParallelTopology:
     this rank's Ulysses and ring groups (group rank = ``ulysses_rank`` / ``ring_rank``);
     ``dp_group``: ranks holding the same sequence shard of different samples;
     ``dp_sp_group``: all ``DP x SP`` ranks, over which gradients are averaged.
+    ``node_size``: ranks per node (None: unknown); ``links``: the link each kind of group uses,
+    ``{"ulysses" | "ring" | "dp": "intra" | "inter" | "-"}`` (:mod:`ring_sp.nodes`; empty when
+    the node size is unknown).
     """
 
     ulysses_size: int
@@ -53,6 +58,8 @@ class SequenceParallelTopology:
     dp_group: dist.ProcessGroup
     dp_sp_group: dist.ProcessGroup
     sp_group_layout_ranks: tuple[int, ...]  # sp_rank of each sp_group rank
+    node_size: int | None = None
+    links: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def sp_size(self) -> int:
@@ -95,7 +102,8 @@ class SequenceParallelTopology:
             f"SequenceParallelTopology(dp={self.dp_size} x (ulysses={self.ulysses_size} x "
             f"ring={self.ring_size}), placement={self.placement!r}, rank={self.rank}, "
             f"dp_rank={self.dp_rank}, sp_rank={self.sp_rank}, ring_rank={self.ring_rank}, "
-            f"ulysses_rank={self.ulysses_rank})"
+            f"ulysses_rank={self.ulysses_rank}" + (f", {describe_links(self.links, self.node_size)}" if self.node_size else "")
+            + ")"
         )
 
 
@@ -127,8 +135,14 @@ def init_sequence_parallel(
     placement: str = "ulysses_inner",
     group: dist.ProcessGroup | None = None,
     timeout: datetime.timedelta | None = None,
+    node_size: int | None = None,
 ) -> SequenceParallelTopology:
     """Create the ``DP x (U x R)`` groups over ``group`` (None = the default group).
+
+    ``node_size``: ranks per node (default: what the launcher exported, ``LOCAL_WORLD_SIZE`` /
+    ``LOCAL_SIZE``; None when nothing did). The topology then states which link each group's
+    traffic uses (``topology.links``) and warns when the Ulysses all-to-all needlessly crosses
+    nodes, naming the placement or size that keeps it inside one (:mod:`ring_sp.nodes`).
 
     Collective over the DEFAULT group: every rank must call it, each passing its own
     ``group`` when the job splits into several parents (e.g. Megatron's context-parallel
@@ -156,6 +170,9 @@ def init_sequence_parallel(
         _check_disjoint(parents)
     for parent in parents:  # same check on every rank, so all raise together
         check_sizes(ulysses_size, ring_size, placement, len(parent))
+    node_size = node_size if node_size is not None else node_size_from_env()
+    if node_size is not None:
+        check_node_size(node_size, dist.get_world_size())
 
     me = dist.get_rank()
     found: dict[str, dist.ProcessGroup] = {}
@@ -178,11 +195,15 @@ def init_sequence_parallel(
             sp_layout_ranks = tuple(
                 _layout_rank(grid.coordinates(parent.index(rank)), ulysses_size) for rank in sorted(my_sp_group)
             )
+            links = grid_links(grid, node_size, parent) if node_size is not None else {}
+            advice = placement_advice(parent, ulysses_size, ring_size, placement, node_size) if node_size else None
+            if advice and me == parent[0]:  # once per grid
+                warnings.warn(f"ring_sp: {advice}", stacklevel=2)
     return SequenceParallelTopology(
         ulysses_size=ulysses_size, ring_size=ring_size, placement=placement, dp_size=len(mine) // (ulysses_size * ring_size),
         rank=me, dp_rank=coords.dp_rank, ring_rank=coords.ring_rank, ulysses_rank=coords.ulysses_rank,
         sp_group=found["sp"], ulysses_group=found["ulysses"], ring_group=found["ring"], dp_group=found["dp"],
-        dp_sp_group=found["dp_sp"], sp_group_layout_ranks=sp_layout_ranks,
+        dp_sp_group=found["dp_sp"], sp_group_layout_ranks=sp_layout_ranks, node_size=node_size, links=links,
     )
 
 

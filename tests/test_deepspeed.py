@@ -454,10 +454,10 @@ def _example_trains(save: Path) -> list[dict[str, Any]]:
     return first
 
 
+@pytest.mark.slow  # the same launch is the default suite's tests/test_multinode.py::one_node_gpt (two nodes' reference)
 @needs_deepspeed
 def test_example_trains_and_saves(tmp_path: Path) -> None:
-    """pretrain_gpt.sh --cpu (what ``make demo`` runs): 4 ranks at U2 x R2, the loss falls, a checkpoint is saved.
-    The default suite's one launch of an example script; the others (and the resume) are ``-m slow``."""
+    """pretrain_gpt.sh --cpu (what ``make demo`` runs): 4 ranks at U2 x R2, the loss falls, a checkpoint is saved."""
     _example_trains(tmp_path)
     assert any(tmp_path.iterdir())
 

@@ -70,6 +70,7 @@ from examples.common.progress import Progress  # noqa: E402
 from ring_sp.integrations.deepspeed.engine import save_checkpoint  # noqa: E402
 from ring_sp.agreement import raise_at_next_agreement  # noqa: E402
 from ring_sp.data import shard_positions_error  # noqa: E402
+from ring_sp.nodes import describe_links  # noqa: E402
 from ring_sp.offload import OffloadedCheckpoint  # noqa: E402
 from ring_sp.tiling import check_tile_tokens, tile_linear, tiled_linear_cross_entropy, tiled_map  # noqa: E402
 
@@ -331,6 +332,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", metavar="DIR", help="save a DeepSpeed checkpoint here every --save-interval steps and at the end")
     p.add_argument("--save-interval", type=int, default=0, help="0: only at the end")
     p.add_argument("--load", metavar="DIR", help="resume from the latest complete checkpoint in DIR")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="resume from --save's latest checkpoint when it has one, else start (torchrun --max-restarts "
+                        "restarts every rank with the same command)")
     p.add_argument("--log-memory", action="store_true", help="add every rank's resident memory (MiB) to the JSON lines")
     return p.parse_args(argv)
 
@@ -473,10 +477,13 @@ def main(argv: list[str] | None = None) -> None:
     engine, _, _, _ = rsp_ds.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
 
     start_step = 0
-    if args.load:
-        path, client_state = engine.load_checkpoint(args.load)
+    if args.auto_resume and not args.save:
+        raise ValueError("--auto-resume resumes from --save's checkpoints: pass --save DIR")
+    load = args.load or (args.save if args.auto_resume and (Path(args.save) / "latest").is_file() else None)
+    if load:
+        path, client_state = engine.load_checkpoint(load)
         if path is None:
-            raise FileNotFoundError(f"--load {args.load}: no DeepSpeed checkpoint found (no 'latest' file)")
+            raise FileNotFoundError(f"--load {load}: no DeepSpeed checkpoint found (no 'latest' file)")
         start_step = client_state["step"]
 
     dp_group = None if topology is None else topology.dp_group
@@ -492,7 +499,8 @@ def main(argv: list[str] | None = None) -> None:
         grid = "1" if topology is None else f"{topology.ulysses_size}x{topology.ring_size}"
         print(f"GPT {n_params / 1e6:.2f}M parameters; {samples_per_step} x {args.seq_len} tokens per step; "
               f"world {dist.get_world_size()} = DP {dp_size} x SP {grid} (ulysses x ring), ZeRO-"
-              f"{engine.zero_optimization_stage()}, layout {layout}{', packed documents' if args.pack_documents else ''}",
+              f"{engine.zero_optimization_stage()}, layout {layout}{', packed documents' if args.pack_documents else ''}"
+              f"{'' if topology is None or not topology.node_size else '; ' + describe_links(topology.links, topology.node_size)}",
               file=sys.stderr)
     progress = Progress(args.steps, log_json=args.log_json, enabled=dist.get_rank() == 0, start_step=start_step)
     def loss_of(batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -10,6 +10,9 @@ stdlib docstrings as bytes. Run it with the launcher::
     examples/transformers/train_llama_trainer.sh --cpu                 # 4 CPU ranks, U2 x R2
     examples/transformers/train_llama_trainer.sh --bf16 --ring-size 4  # every GPU of this machine
 
+``--ddp`` trains under plain DDP instead of DeepSpeed (the config's ``"ring_sp"`` section
+becomes ``prepare_sequence_parallel``'s keywords; checkpoints and ``--resume`` work the same).
+
 ``--pack-documents`` trains on whole documents, each micro-batch flattened into one row by
 ``DataCollatorWithFlattening`` (position_ids restart per document: attention stays inside
 each document). ``--no-ring-sp`` trains the same model with ``attn_implementation="sdpa"`` and the same
@@ -47,6 +50,7 @@ from examples.common.faults import LostRanks, fault_from_env  # noqa: E402
 from examples.common.progress import Progress  # noqa: E402
 from examples.deepspeed.pretrain_gpt import common_args, ds_config_from_args  # noqa: E402
 from examples.transformers.pretrain_llama import llama_config  # noqa: E402  (the same small Llama)
+from ring_sp.nodes import describe_links  # noqa: E402
 from ring_sp.integrations.transformers.trainer import (SequenceParallelTrainer,  # noqa: E402  # ring_sp
                                                        prepare_sequence_parallel)
 
@@ -59,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.set_defaults(deepspeed_config=str(DEFAULT_CONFIG), micro_batch=4)
     p.add_argument("--no-ring-sp", action="store_true",
                    help='reference run: disable the ring_sp section, attn_implementation="sdpa" (use one rank)')
+    p.add_argument("--ddp", action="store_true",
+                   help="DDP instead of DeepSpeed: the config's ring_sp section as keywords (use_cpu on CPU ranks)")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     p.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim (the tests use sgd)")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -134,7 +140,13 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
     if args.no_ring_sp:
         ds_config[rsp_ds.SECTION]["enabled"] = False
     training_args = TrainingArguments(
-        output_dir=args.output_dir, deepspeed=ds_config, per_device_train_batch_size=args.micro_batch,
+        output_dir=args.output_dir, deepspeed=None if args.ddp else ds_config,
+        use_cpu=args.ddp and not torch.cuda.is_available(),  # DDP on CPU ranks: accelerate's MULTI_CPU
+        # DDP regroups its gradient buckets after the first step unless it looks for unused parameters: a run
+        # resumed from a checkpoint would then sum gradients in another order than one never stopped (1 ulp
+        # off, measured); the search (one walk of the autograd graph per step) keeps the resume bitwise
+        ddp_find_unused_parameters=True if args.ddp else None,
+        per_device_train_batch_size=args.micro_batch,
         gradient_accumulation_steps=args.grad_accum, max_steps=args.steps, learning_rate=args.lr,
         warmup_steps=args.warmup, lr_scheduler_type="cosine", optim=args.optim, weight_decay=0.1, adam_beta2=0.95,
         max_grad_norm=args.max_grad_norm, bf16=args.bf16, seed=args.seed, data_seed=args.seed, logging_steps=1,
@@ -142,7 +154,10 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
         dataloader_drop_last=True, eval_strategy="steps" if args.eval_steps else "no", eval_steps=args.eval_steps or None,
         per_device_eval_batch_size=args.micro_batch, ddp_timeout=round(args.timeout_s),
     )
-    topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
+    if args.ddp:  # ring_sp: the section's settings as keywords (no DeepSpeed config to read them from)
+        topology = prepare_sequence_parallel(training_args, **ds_config[rsp_ds.SECTION])
+    else:
+        topology = prepare_sequence_parallel(training_args)  # ring_sp: groups + attn_implementation "ring_sp"
     torch.manual_seed(args.seed)
     attention = "sdpa" if topology is None else "ring_sp"  # ring_sp
     model = AutoModelForCausalLM.from_config(llama_config(args), attn_implementation=attention, dtype=torch.float32)
@@ -167,7 +182,8 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
         grid = "1 (sdpa)" if topology is None else f"{topology.ulysses_size}x{topology.ring_size} (ulysses x ring)"
         what = "documents of <=" if args.pack_documents else "x"
         print(f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; {samples_per_step} {what} "
-              f"{args.seq_len} tokens per step; world {dist.get_world_size()} = DP {dp_size} x SP {grid}",
+              f"{args.seq_len} tokens per step; world {dist.get_world_size()} = DP {dp_size} x SP {grid}"
+              f"{'' if topology is None or not topology.node_size else '; ' + describe_links(topology.links, topology.node_size)}",
               file=sys.stderr)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(JsonProgress(args.steps, samples_per_step * args.seq_len, log_json=args.log_json))

@@ -10,8 +10,12 @@
 # ARGS go to sft.py, e.g. --steps 100 --log-json --ulysses-size 1 --ring-size 4 --zero-stage 3 --lora.
 # Environment: NUM_RANKS (CPU ranks, default 4), MASTER_PORT (default 29500), PYTHON, LAUNCHER (deepspeed or
 # torchrun; DeepSpeed runs only: --fsdp2 always goes through accelerate launch).
+# On N nodes: the same command on each, plus --nnodes N --node-rank K --master-addr HOST --master-port PORT
+# (examples/common/nodes.sh, docs/multinode.md; accelerate launch's --num_machines ... for --fsdp2).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$here/../common/nodes.sh"
+set -- "${args[@]+"${args[@]}"}"
 cpu=()
 fsdp2=0
 ddp=()
@@ -20,7 +24,8 @@ while [[ $# -gt 0 && ( "$1" == --cpu || "$1" == --fsdp2 || "$1" == --ddp ) ]]; d
   shift
 done
 if [[ $fsdp2 == 0 ]]; then
-  exec "$here/../common/deepspeed_launch.sh" "$here/sft.py" "${cpu[@]}" "${ddp[@]}" "$@"
+  exec "$here/../common/deepspeed_launch.sh" "$here/sft.py" "${cpu[@]}" "${ddp[@]}" "$@" --nnodes "$nnodes" \
+    --node-rank "$node_rank" --master-addr "$master_addr" --master-port "$master_port"
 fi
 # FSDP2: accelerate launch. PYTHON if set, else the project's .venv (make setup) when it exists, else python.
 venv_python="$here/../../.venv/bin/python"
@@ -35,5 +40,7 @@ if [[ ${#cpu[@]} -gt 0 ]]; then
 else
   ranks="$("$python" -c 'import torch; print(torch.cuda.device_count())')"
 fi
-exec "$python" -m accelerate.commands.launch --config_file "$here/fsdp2.yaml" --num_processes "$ranks" \
-  --main_process_port "${MASTER_PORT:-29500}" "$here/sft.py" --fsdp2 "$@"
+# accelerate counts processes over all machines
+exec "$python" -m accelerate.commands.launch --config_file "$here/fsdp2.yaml" --num_processes "$(( ranks * nnodes ))" \
+  --num_machines "$nnodes" --machine_rank "$node_rank" --main_process_ip "$master_addr" \
+  --main_process_port "$master_port" "$here/sft.py" --fsdp2 "$@"

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass
 
 from ..grid import rank_grid
+from ..nodes import grid_links
 from ..schedule import exchange_plan, ring_step_tasks, row_count
 from ..shapes import kv_heads_per_rank
 from .layer_cost import attention_memory, layer_bytes
@@ -105,12 +106,10 @@ class Placement:
         def nodes(group: list[int]) -> list[int]:
             return [p // cluster.gpus_per_node for p in group]
 
-        def link(groups: list[list[int]]) -> str:  # a ring's neighbours are among its group's pairs
-            return "-" if len(groups[0]) == 1 else "inter" if any(len(set(nodes(g))) > 1 for g in groups) else "intra"
-
         mixes = frozenset((at.count(mine) - 1, len(at) - at.count(mine))
                           for at in map(nodes, grid.ulysses_groups) for mine in at)
-        return Placement(link(grid.ulysses_groups), link(grid.ring_groups), mixes)
+        links = grid_links(grid, cluster.gpus_per_node)  # a ring's neighbours are among its group's pairs
+        return Placement(links["ulysses"], links["ring"], mixes)
 
     def a2a_seconds(self, nbytes: int, cluster: Cluster) -> float:
         """An all-to-all in which every rank sends ``nbytes`` in equal parts to its peers;

@@ -5,6 +5,7 @@ Importing this package has no side effects: no process groups, no CUDA, no flash
 
 from .attention import hybrid_attention, ring_attention, ulysses_attention
 from .comm import count_communication
+from .decode import ShardedKVCache, decode_attention
 from .data import IGNORE_INDEX, document_positions, pad_documents, shard_batch, shift_labels
 from .layouts import LAYOUT_CHOICES, LAYOUTS, layout_positions
 from .sequence_shards import gather_sequence, shard_sequence, unshard_sequence
@@ -21,7 +22,9 @@ __all__ = [
     "PLACEMENTS",
     "SequenceParallelAttention",
     "SequenceParallelTopology",
+    "ShardedKVCache",
     "count_communication",
+    "decode_attention",
     "document_positions",
     "gather_sequence",
     "hybrid_attention",

@@ -1,0 +1,185 @@
+"""Decoding against a KV cache sharded over a ring (issue 46, the core entry).
+
+After a prefill through the ring (any layout), each ring rank keeps the keys and values of
+the tokens it holds: :class:`ShardedKVCache`, ``1/R`` of one device's cache. A new token is
+then computed on every rank alike (decode is replicated: one token's projections cost little),
+and :func:`decode_attention`
+
+* stores its key and value on ONE rank, the one with the fewest cached tokens (ties: the lowest
+  rank), which every rank computes alike from the same counts, so the shards stay balanced;
+* attends its query to this rank's shard with the local kernel (the keys a sliding ``window``
+  leaves visible, gathered first; none: ``lse = -inf``);
+* all-gathers every rank's partial ``(out, lse)`` in float32 (float64 for float64) over the ring
+  group in ONE collective, which also carries each rank's cached-token count and position, and
+  merges them with the ring's online-softmax merge (attention sinks folded in once, last).
+
+Every rank returns the same output, bit for bit: the merge runs over the gathered partials in
+rank order on each. Ranks whose caches or positions differ raise one error on every rank,
+naming the odd rank. Shapes: q ``[b, 1, h, d]``, k/v of the new token ``[b, 1, h_kv, d]`` /
+``[b, 1, h_kv, d_v]``, the cache ``[b, capacity, h_kv, d]`` per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .comm import RingComm
+from .kernels import get_kernel, softmax_stat_dtype
+from .merge import fold_sinks, merge_block_
+
+
+@dataclass
+class ShardedKVCache:
+    """One attention layer's cache on one ring rank: this rank's keys ``k`` ``[b, capacity, h_kv, d]``
+    and values ``v`` ``[b, capacity, h_kv, d_v]`` (the first ``length`` slots filled), their global
+    positions ``positions`` ``[capacity]`` (int64 on the host, increasing, -1 where empty: a window's
+    visible keys are a suffix found without touching the device), and every rank's filled count
+    ``counts`` and room ``capacities`` (the same lists on every rank: they decide where each new token
+    goes, and every rank can tell that it does not fit before anything is sent)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    rank: int
+    counts: list[int] = field(default_factory=list)
+    capacities: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return self.counts[self.rank]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def total(self) -> int:
+        """Tokens cached over all ranks: the position of the next token."""
+        return sum(self.counts)
+
+    @property
+    def nbytes(self) -> int:
+        """This rank's cache storage in bytes (keys, values and positions)."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.positions))
+
+    @staticmethod
+    def from_prefill(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, capacity: int,
+                     group: dist.ProcessGroup | None = None) -> ShardedKVCache:
+        """The cache of this rank after a prefill: ``k`` ``[b, n, h_kv, d]`` / ``v`` of the ``n`` tokens
+        this rank held (its shard, as the ring attention saw it), their global ``positions`` ``[n]``
+        (:func:`ring_sp.layouts.rank_positions`), room for ``capacity`` tokens on this rank. Every rank
+        of ``group`` (None: the default group) calls it: one all-gather of the shard lengths and capacities."""
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [b, n, h_kv, d] with equal b, n, h_kv")
+        if positions.shape != (k.shape[1],):
+            raise ValueError(f"positions {tuple(positions.shape)} must be [n] = [{k.shape[1]}] (one per cached token)")
+        if capacity < k.shape[1]:
+            raise ValueError(f"capacity={capacity} is less than the {k.shape[1]} tokens this rank's prefill holds; "
+                             f"size it for the prompt's share plus the tokens to generate")
+        positions = positions.cpu()
+        if k.shape[1] > 1 and not bool((positions[1:] > positions[:-1]).all()):
+            raise ValueError("positions must increase along the shard (the layouts' local order does)")
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        sizes = torch.zeros(size * 2, dtype=torch.int64)
+        RingComm(group).all_gather(sizes, torch.tensor([k.shape[1], capacity]), "decode_cache_sizes").wait()
+        sizes = sizes.view(size, 2)
+        cache = ShardedKVCache(k.new_empty(k.shape[0], capacity, *k.shape[2:]),
+                               v.new_empty(v.shape[0], capacity, *v.shape[2:]),
+                               torch.full((capacity,), -1, dtype=torch.int64), rank,
+                               sizes[:, 0].tolist(), sizes[:, 1].tolist())
+        cache.k[:, : k.shape[1]] = k
+        cache.v[:, : v.shape[1]] = v
+        cache.positions[: k.shape[1]] = positions
+        return cache
+
+    def next_owner(self) -> int:
+        """The rank the next token's key and value go to: the fewest cached tokens, ties the lowest rank."""
+        return min(range(len(self.counts)), key=lambda r: (self.counts[r], r))
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Store one token's ``k`` ``[b, 1, h_kv, d]`` / ``v`` on :meth:`next_owner` (every rank calls it
+        with the same token); returns its position."""
+        owner, position = self.next_owner(), self.total
+        if self.counts[owner] == self.capacities[owner]:  # every rank knows: all raise, none waits
+            raise ValueError(f"the KV cache is full: token {position} would go to rank {owner}, which holds its "
+                             f"capacity of {self.capacities[owner]} tokens; the caches were sized for fewer tokens than "
+                             f"this generation needs (pass a larger capacity to ShardedKVCache.from_prefill)")
+        if owner == self.rank:
+            self.k[:, self.length] = k[:, 0]
+            self.v[:, self.length] = v[:, 0]
+            self.positions[self.length] = position
+        self.counts[owner] += 1
+        return position
+
+
+def _visible(cache: ShardedKVCache, position: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's cached keys/values the token at ``position`` sees: all of them, or those inside
+    ``window`` (``position - window < p <= position``): a suffix of the slots (positions increase), a view."""
+    start = 0
+    if window is not None:
+        start = int(torch.searchsorted(cache.positions[: cache.length], position - window, right=True))
+    return cache.k[:, start: cache.length], cache.v[:, start: cache.length]
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCache, *,
+                     group: dist.ProcessGroup | None = None, scale: float | None = None,
+                     window: int | None = None, sinks: torch.Tensor | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """One new token's attention over the whole sharded cache, after storing its own key and value
+    (:meth:`ShardedKVCache.append`). q ``[b, 1, h, d]``, k ``[b, 1, h_kv, d]``, v ``[b, 1, h_kv, d_v]``
+    (the same on every rank of ``group``, the ring the cache is sharded over) -> out ``[b, 1, h, d_v]``
+    in q's dtype, equal on every rank. ``window``: a sliding window (the token sees ``window`` keys,
+    itself included); ``sinks`` ``[h]``: attention sinks. Collective: one all-gather."""
+    if q.dim() != 4 or q.shape[1] != 1 or k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: one token each, "
+                         f"q [b, 1, h, d], k [b, 1, h_kv, d], v [b, 1, h_kv, d_v]")
+    if k.shape[2:] != cache.k.shape[2:] or v.shape[2:] != cache.v.shape[2:] or k.shape[0] != cache.k.shape[0]:
+        raise ValueError(f"the token's k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's "
+                         f"k {tuple(cache.k.shape)} / v {tuple(cache.v.shape)} (batch, KV heads, head sizes)")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r} must be a positive int (keys a token sees, itself included) or None")
+    position = cache.append(k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    acc = softmax_stat_dtype(q.dtype)
+    keys, values = _visible(cache, position, window)
+    b, _, h, _ = q.shape
+    d_v = v.shape[-1]
+    if keys.shape[1]:
+        kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], d_v)
+        out, lse = kernel.forward(q, keys, values, causal=False, scale=scale)
+    else:  # no visible key here: contributes nothing
+        out, lse = q.new_zeros(b, 1, h, d_v), torch.full((b, h, 1), float("-inf"), dtype=acc, device=q.device)
+    # one message per rank: its partial (out, lse) and, for the agreement, its counts' total and this position
+    # from the host's counts (a rank that counted otherwise must show it), pinned on CUDA (torch caches pinned
+    # blocks) so the copy does not wait for the GPU
+    stamp = torch.tensor([cache.total, position], dtype=acc, pin_memory=q.is_cuda).to(q.device, non_blocking=True)
+    mine = torch.cat([out.to(acc).flatten(), lse.to(acc).flatten(), stamp])
+    world = dist.get_world_size(group)
+    gathered = mine.new_empty(world * mine.numel())
+    RingComm(group).all_gather(gathered, mine, "decode_partials").wait()
+    gathered = gathered.view(world, mine.numel())
+    _check_agreement(gathered[:, -2:], cache.rank)
+    merged_out = torch.zeros(b, 1, h, d_v, dtype=acc, device=q.device)
+    merged_lse = torch.full((b, h, 1), float("-inf"), dtype=acc, device=q.device)
+    split = b * h * d_v
+    for part in gathered:  # rank order on every rank: the same rounding everywhere
+        merge_block_(merged_out, merged_lse, part[:split].view(b, 1, h, d_v), part[split: split + b * h].view(b, h, 1))
+    if sinks is not None:
+        merged_out, merged_lse = fold_sinks(merged_out, merged_lse, sinks)
+    return merged_out.to(q.dtype)
+
+
+def _check_agreement(stamps: torch.Tensor, rank: int) -> None:
+    """Every rank cached the same number of tokens and decodes the same position, else one error everywhere."""
+    odd = [r for r in range(stamps.shape[0]) if not torch.equal(stamps[r], stamps[0])]
+    if odd:
+        seen = {r: (int(stamps[r, 0]), int(stamps[r, 1])) for r in range(stamps.shape[0])}
+        raise RuntimeError(f"rank {rank}: the ranks' KV caches disagree (cached tokens, position) per rank: {seen}; "
+                           f"rank(s) {odd} differ from rank 0: every rank must prefill the same prompt and decode the "
+                           f"same tokens")
+
+
+__all__ = ["ShardedKVCache", "decode_attention"]

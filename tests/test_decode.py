@@ -1,0 +1,136 @@
+"""Decoding against a KV cache sharded over a ring (issue 46's core entry, ``ring_sp.decode``).
+
+A prompt of N tokens prefilled through the ring (its shards as the ring held them, any layout),
+then T tokens decoded one at a time: each step's output equals the float64 oracle of that query
+against every token so far (windows and sinks included), on every rank alike; the shards stay
+balanced, gathered they are the whole cache, and each rank holds 1/R of it. Caches that differ
+between ranks, or a cache too small, are one clear error on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ring_sp
+from oracle import OUT_TOL, make_inputs, oracle_attention
+from ring_sp.decode import ShardedKVCache, decode_attention
+from ring_sp.layouts import rank_positions
+
+PROMPT, NEW = 24, 7
+
+
+def _window_mask(n: int, window: int | None) -> torch.Tensor:
+    i = torch.arange(n)
+    visible = i[None, :] <= i[:, None]
+    return visible if window is None else visible & (i[None, :] > i[:, None] - window)
+
+
+def decode_case(layout: str, dtype: str, window: int | None, sinks: bool, d_v: int | None, seed: int,
+                grid: tuple[int, int] | None = None) -> dict:
+    """``grid``: (U, R) of a topology whose SP group the cache is sharded over (the prompt's sequence shards,
+    every KV head: what each rank's attention receives before Ulysses' all-to-all)."""
+    topo = ring_sp.init_sequence_parallel(*grid) if grid else None
+    rank, world = (topo.sp_rank, topo.sp_size) if topo else (dist.get_rank(), dist.get_world_size())
+    group = topo.sp_group if topo else None
+    dt = getattr(torch, dtype)
+    inputs = make_inputs(seed, 2, PROMPT + NEW, 4, 2, 8, dt, d_v=d_v, sinks=sinks)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    prompt_k, prompt_v = (ring_sp.shard_sequence(x[:, :PROMPT], rank=rank, world_size=world, layout=layout) for x in (k, v))
+    capacity = PROMPT // world + math.ceil(NEW / world)
+    cache = ShardedKVCache.from_prefill(prompt_k, prompt_v, rank_positions(layout, world, PROMPT, rank), capacity=capacity,
+                                        group=group)
+    want_out, _ = oracle_attention(q, k, v, causal=True, mask=_window_mask(PROMPT + NEW, window), sinks=inputs.get("sinks"))
+    errors = []
+    for t in range(PROMPT, PROMPT + NEW):
+        out = decode_attention(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache, window=window, sinks=inputs.get("sinks"),
+                               group=group)
+        assert out.dtype == dt and out.shape == (2, 1, 4, v.shape[-1])
+        errors.append((out.double() - want_out[:, t:t + 1]).abs().max().item())
+    filled = cache.positions[: cache.length]
+    return {"errors": errors, "out": out, "counts": cache.counts, "positions": filled.tolist(),
+            "k_ok": torch.equal(cache.k[:, : cache.length], k[:, filled]), "nbytes": cache.nbytes,
+            "one_rank_bytes": (k.numel() + v.numel()) * k.element_size() + (PROMPT + NEW) * 8}
+
+
+@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (3, "contiguous"), (4, "striped"), (4, "zigzag")])
+@pytest.mark.parametrize("window,sinks,d_v", [(None, False, None), (5, True, None), (9, False, 6)])
+def test_decode_equals_the_oracle_on_every_rank(pools, world: int, layout: str, window, sinks: bool, d_v) -> None:
+    results = pools.get(world).run(decode_case, layout, "float64", window, sinks, d_v, world)
+    for result in results:
+        assert max(result["errors"]) <= OUT_TOL[torch.float64].atol, result["errors"]
+        assert torch.equal(result["out"], results[0]["out"])  # every rank alike, bit for bit
+        assert result["k_ok"] and result["counts"] == results[0]["counts"]
+    counts = results[0]["counts"]
+    assert sum(counts) == PROMPT + NEW and max(counts) - min(counts) <= 1  # balanced
+    assert sorted(p for r in results for p in r["positions"]) == list(range(PROMPT + NEW))  # the whole cache, once
+    # 1/R of one rank's cache, rounded up to a whole token
+    assert all(r["nbytes"] <= r["one_rank_bytes"] / world + r["one_rank_bytes"] / (PROMPT + NEW) for r in results)
+
+
+def test_decode_over_a_grids_sp_group(pools) -> None:
+    """U2 x R2: the cache sharded by sequence over all four SP ranks, every KV head on each."""
+    results = pools.get(4).run(decode_case, "zigzag", "float64", 5, True, None, 11, (2, 2))
+    assert all(max(r["errors"]) <= OUT_TOL[torch.float64].atol and r["k_ok"] for r in results)
+    assert sorted(p for r in results for p in r["positions"]) == list(range(PROMPT + NEW))
+
+
+def test_decode_bf16_within_its_tolerance(pools) -> None:
+    results = pools.get(2).run(decode_case, "zigzag", "bfloat16", 5, False, None, 3)
+    assert all(max(r["errors"]) <= 2 * OUT_TOL[torch.bfloat16].atol for r in results), [r["errors"] for r in results]
+
+
+def disagreeing_caches() -> str:
+    rank = dist.get_rank()
+    inputs = make_inputs(1, 1, 9, 2, 2, 4, torch.float64)
+    k, v = inputs["k"], inputs["v"]
+    cache = ShardedKVCache.from_prefill(k[:, rank * 4:(rank + 1) * 4], v[:, rank * 4:(rank + 1) * 4],
+                                        torch.arange(rank * 4, (rank + 1) * 4), capacity=8)
+    if rank == 1:
+        cache.counts[0] += 1  # rank 1 thinks one more token is cached (another prompt, a skipped step)
+    try:
+        decode_attention(inputs["q"][:, 8:], k[:, 8:], v[:, 8:], cache)
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_caches_that_differ_raise_on_every_rank(pools) -> None:
+    errors = pools.get(2).run(disagreeing_caches)
+    assert all("KV caches disagree" in e and "rank(s) [1] differ from rank 0" in e for e in errors), errors
+
+
+def full_cache() -> str:
+    rank = dist.get_rank()
+    inputs = make_inputs(2, 1, 6, 2, 2, 4, torch.float64)
+    k, v = inputs["k"], inputs["v"]
+    cache = ShardedKVCache.from_prefill(k[:, rank * 2:(rank + 1) * 2], v[:, rank * 2:(rank + 1) * 2],
+                                        torch.arange(rank * 2, (rank + 1) * 2), capacity=2 + (rank == 0))
+    decode_attention(inputs["q"][:, 4:5], k[:, 4:5], v[:, 4:5], cache)  # fits on rank 0
+    try:
+        decode_attention(inputs["q"][:, 5:6], k[:, 5:6], v[:, 5:6], cache)  # rank 1 is full
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_full_cache_raises_on_every_rank_before_any_message(pools) -> None:
+    errors = pools.get(2).run(full_cache)
+    assert all("token 5 would go to rank 1, which holds its capacity of 2 tokens" in e for e in errors), errors
+
+
+def test_bad_shapes_are_named() -> None:
+    cache = ShardedKVCache(torch.zeros(1, 4, 2, 4), torch.zeros(1, 4, 2, 4), torch.full((4,), -1), 0, [0], [4])
+    with pytest.raises(ValueError, match=r"one token each"):
+        decode_attention(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), cache)
+    with pytest.raises(ValueError, match=r"do not match the cache"):
+        decode_attention(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4), cache)
+    with pytest.raises(ValueError, match=r"window=0 must be a positive int"):
+        decode_attention(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), cache, window=0)
+    with pytest.raises(ValueError, match=r"positions must increase"):
+        ShardedKVCache.from_prefill(torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4), torch.tensor([0, 2, 1]), capacity=4)
+    with pytest.raises(ValueError, match=r"capacity=2 is less than the 3 tokens"):
+        ShardedKVCache.from_prefill(torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4), torch.arange(3), capacity=2)

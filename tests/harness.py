@@ -89,6 +89,25 @@ def release_groups(keep: set) -> None:
         gc.collect()
 
 
+# Modules whose globals keep process groups for later calls (the next case may reuse them)
+GROUP_CACHES = ("deepspeed.utils.groups", "deepspeed.comm.comm", "megatron.core.parallel_state")
+
+
+def _cached_groups() -> set:
+    """The groups later cases may reuse: the topologies ``dist_cases.topology`` keeps, and those the
+    frameworks keep in module globals (DeepSpeed's ZeRO groups, Megatron's parallel state)."""
+    import torch.distributed as dist
+
+    cases = sys.modules.get("dist_cases")
+    kept = {getattr(topo, f"{kind}_group") for topo in getattr(cases, "_TOPOLOGIES", {}).values()
+            for kind in ("sp", "ulysses", "ring", "dp", "dp_sp")}
+    for name in GROUP_CACHES:
+        for value in vars(sys.modules[name]).values() if name in sys.modules else ():
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            kept.update(item for item in items if isinstance(item, dist.ProcessGroup))
+    return kept
+
+
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, sys_path: list[str], pg_timeout_s: float, env: dict[str, str]) -> None:
     os.setsid()  # own process group: the driver kills the whole tree with killpg
     sys.path[:] = sys_path
@@ -111,7 +130,13 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, s
             break
         try:
             fn, args, kwargs = message
-            conn.send(("ok", fn(*args, **kwargs)))
+            held = live_groups()
+            result = fn(*args, **kwargs)
+            # a case's own groups go with it: each gloo group keeps three threads, and its TCP loop wakes
+            # every 10 ms; left to pile up (DeepSpeed cases build a topology each) they reached 70 groups
+            # per rank, thousands of threads, a load average of 300 and a 3-rank gradcheck at 12x its time
+            release_groups(held | _cached_groups())
+            conn.send(("ok", result))
         except BaseException as exc:  # report everything, including assertion failures
             conn.send(("error", type(exc).__name__, str(exc), traceback.format_exc()))
     dist.destroy_process_group()

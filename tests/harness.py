@@ -132,9 +132,9 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection, s
             fn, args, kwargs = message
             held = live_groups()
             result = fn(*args, **kwargs)
-            # a case's own groups go with it: each gloo group keeps three threads, and its TCP loop wakes
-            # every 10 ms; left to pile up (DeepSpeed cases build a topology each) they reached 70 groups
-            # per rank, thousands of threads, a load average of 300 and a 3-rank gradcheck at 12x its time
+            # a case's own groups go with it (each gloo group keeps three threads): left to pile up (DeepSpeed
+            # cases build a topology each) they reached 70 groups per rank, thousands of threads, a load average
+            # of 300 and a 3-rank gradcheck at 12x its time alone (docs/testing.md)
             release_groups(held | _cached_groups())
             conn.send(("ok", result))
         except BaseException as exc:  # report everything, including assertion failures

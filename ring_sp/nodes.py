@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 from .grid import PLACEMENTS, RankGrid, rank_grid
+from .shapes import divisors
 
 # Ranks per node as the launchers export them: the DeepSpeed launcher (LOCAL_SIZE), torchrun / accelerate /
 # Megatron (LOCAL_WORLD_SIZE), Open MPI and MPICH (mpirun, DeepSpeed's MPI runners). DeepSpeed's first:
@@ -93,7 +94,7 @@ def placement_advice(ranks: Sequence[int], ulysses_size: int, ring_size: int, pl
                 f"puts the ring's point-to-point messages on the inter-node links instead")
     return (f"ulysses_size={ulysses_size} does not divide the node size {node_size}: some Ulysses groups straddle two "
             f"nodes, so their all-to-all crosses the inter-node links; choose a ulysses_size that divides {node_size} "
-            f"(e.g. {max(u for u in range(1, ulysses_size + 1) if node_size % u == 0)})")
+            f"(e.g. {max(u for u in divisors(node_size) if u <= ulysses_size)})")
 
 
 __all__ = ["LINKS", "NODE_SIZE_ENV", "check_node_size", "describe_links", "grid_links", "group_link", "node_size_from_env",

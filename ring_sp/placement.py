@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .runs import Boundaries, ShardRuns, memoised
+from .shapes import divisors
 
 PLACEMENT_TILE = (128, 64)  # (query rows, keys) of a FlashAttention-2/3 or cuDNN tile on Hopper
 _SMALL_SHARD_TILES = 8  # a shard shorter than this many tiles places with proportionally smaller tiles
@@ -167,7 +168,7 @@ def _items(lengths: list[int], world_size: int, capacity: int, tile: tuple[int, 
     """(-share of work, document, spread) of every document, largest share first: the fewest
     ranks whose shares fit a rank and take at most ``limit`` estimated work each (unless even
     ``P`` ranks cannot share it so)."""
-    spreads = [k for k in range(1, world_size + 1) if world_size % k == 0]
+    spreads = divisors(world_size)  # the block sizes that tile the ranks
     items = []
     for doc, length in enumerate(lengths):
         if length == 0:
@@ -187,7 +188,7 @@ def _items(lengths: list[int], world_size: int, capacity: int, tile: tuple[int, 
 def _place(lengths: list[int], starts: list[int], world_size: int, capacity: int, tile: tuple[int, int],
            items: list[tuple[int, int, int]]) -> tuple[_Ranks, list[int]]:
     """One placement of :func:`_items`' documents, in their order."""
-    spreads = [k for k in range(1, world_size + 1) if world_size % k == 0]
+    spreads = divisors(world_size)  # the block sizes that tile the ranks
     ranks = _Ranks(world_size, capacity, sum(lengths), sum(causal_tile_pairs(n, tile) for n in lengths))
     spread = [1] * len(lengths)
     left = []

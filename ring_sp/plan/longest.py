@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from ..shapes import check_ulysses_heads
+from ..shapes import check_ulysses_heads, divisors
 from .host_memory import ranks_per_node
 from .index_limits import Int32Risk, int32_risk
 from .request import PlanError
@@ -57,8 +57,7 @@ class Row:
 
 def rows(req: Request) -> list[Row]:
     """Every row of the table, in order: each recipe over its grids."""
-    grids = [(u, req.sp // u) for u in ([req.ulysses] if req.ulysses else
-                                         [u for u in range(1, req.sp + 1) if req.sp % u == 0])]
+    grids = [(u, req.sp // u) for u in ([req.ulysses] if req.ulysses else divisors(req.sp))]
     per_node = ranks_per_node(req.world_size, req.gpus_per_node)
     out = []
     for library, training, ulysses_only in req.recipes:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from ..grid import PLACEMENTS
 from ..layouts import check_layout, ulysses_to_ring_order
-from ..shapes import check_ulysses_heads
+from ..shapes import check_ulysses_heads, divisors
 from ..validation import KV_EXCHANGES
 from .layer_time import Candidate, Placement, candidate
 from .request import Cluster, ModelShape, PlanError, Workload, dtype_bytes
@@ -104,7 +104,7 @@ def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | 
                             f"dividing {cluster.gpus_per_node}, or placement ring_inner")
 
     candidates, skipped = [], []
-    for u in ([ulysses] if ulysses is not None else [u for u in range(1, sp + 1) if sp % u == 0]):
+    for u in ([ulysses] if ulysses is not None else divisors(sp)):
         r = sp // u
         try:
             if u > 1:

@@ -7,14 +7,14 @@ and :func:`decode_attention`
 
 * stores its key and value on ONE rank, the one with the fewest cached tokens (ties: the lowest
   rank), which every rank computes alike from the same counts, so the shards stay balanced;
-* attends its query to this rank's shard with the local kernel (the keys a sliding ``window``
-  leaves visible, gathered first; none: ``lse = -inf``);
+* attends its query to this rank's shard with the local kernel (with a sliding ``window``, the
+  suffix of the slots it leaves visible, a view; no key: ``lse = -inf``);
 * all-gathers every rank's partial ``(out, lse)`` in float32 (float64 for float64) over the ring
   group in ONE collective, which also carries each rank's cached-token count and position, and
-  merges them with the ring's online-softmax merge (attention sinks folded in once, last).
+  merges them in one pass (:func:`ring_sp.merge.merge_partials`, the ring's online-softmax
+  formula; attention sinks folded in once, last).
 
-Every rank returns the same output, bit for bit: the merge runs over the gathered partials in
-rank order on each. Ranks whose caches or positions differ raise one error on every rank,
+Every rank returns the same output, bit for bit: each merges the same gathered partials alike. Ranks whose caches or positions differ raise one error on every rank,
 naming the odd rank. Shapes: q ``[b, 1, h, d]``, k/v of the new token ``[b, 1, h_kv, d]`` /
 ``[b, 1, h_kv, d_v]``, the cache ``[b, capacity, h_kv, d]`` per rank.
 """
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .comm import RingComm
 from .kernels import get_kernel, softmax_stat_dtype
-from .merge import fold_sinks, merge_block_
+from .merge import fold_sinks, merge_partials
 
 
 @dataclass
@@ -141,6 +141,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
                          f"k {tuple(cache.k.shape)} / v {tuple(cache.v.shape)} (batch, KV heads, head sizes)")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window={window!r} must be a positive int (keys a token sees, itself included) or None")
+    # resolved on every rank, whether or not it sees a key: a bad backend raises everywhere, before any message
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], v.shape[-1])
     position = cache.append(k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     acc = softmax_stat_dtype(q.dtype)
@@ -148,7 +150,6 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
     b, _, h, _ = q.shape
     d_v = v.shape[-1]
     if keys.shape[1]:
-        kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], d_v)
         out, lse = kernel.forward(q, keys, values, causal=False, scale=scale)
     else:  # no visible key here: contributes nothing
         out, lse = q.new_zeros(b, 1, h, d_v), torch.full((b, h, 1), float("-inf"), dtype=acc, device=q.device)
@@ -162,11 +163,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
     RingComm(group).all_gather(gathered, mine, "decode_partials").wait()
     gathered = gathered.view(world, mine.numel())
     _check_agreement(gathered[:, -2:], cache.rank)
-    merged_out = torch.zeros(b, 1, h, d_v, dtype=acc, device=q.device)
-    merged_lse = torch.full((b, h, 1), float("-inf"), dtype=acc, device=q.device)
-    split = b * h * d_v
-    for part in gathered:  # rank order on every rank: the same rounding everywhere
-        merge_block_(merged_out, merged_lse, part[:split].view(b, 1, h, d_v), part[split: split + b * h].view(b, h, 1))
+    split = b * h * d_v  # every rank merges the same gathered parts alike: the same bits everywhere
+    merged_out, merged_lse = merge_partials(gathered[:, :split].view(world, b, 1, h, d_v),
+                                            gathered[:, split: split + b * h].view(world, b, h, 1))
     if sinks is not None:
         merged_out, merged_lse = fold_sinks(merged_out, merged_lse, sinks)
     return merged_out.to(q.dtype)
@@ -174,8 +173,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
 
 def _check_agreement(stamps: torch.Tensor, rank: int) -> None:
     """Every rank cached the same number of tokens and decodes the same position, else one error everywhere."""
-    odd = [r for r in range(stamps.shape[0]) if not torch.equal(stamps[r], stamps[0])]
-    if odd:
+    differs = (stamps != stamps[0]).any(dim=1)
+    if bool(differs.any()):  # the one host read of the call
+        odd = differs.nonzero().flatten().tolist()
         seen = {r: (int(stamps[r, 0]), int(stamps[r, 1])) for r in range(stamps.shape[0])}
         raise RuntimeError(f"rank {rank}: the ranks' KV caches disagree (cached tokens, position) per rank: {seen}; "
                            f"rank(s) {odd} differ from rank 0: every rank must prefill the same prompt and decode the "

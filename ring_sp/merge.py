@@ -34,6 +34,16 @@ def merge_block_(out: torch.Tensor, lse: torch.Tensor, out_block: torch.Tensor, 
     lse.copy_(lse_new)
 
 
+def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merge of ``n`` partial results at once (the same formula as :func:`merge_block_`, one
+    pass of a few kernels instead of ``n``): out ``[n, b, s, h, d]`` and lse ``[n, b, h, s]`` (float32/64)
+    -> the merged out ``[b, s, h, d]`` and lse ``[b, h, s]``; rows no part saw stay 0 and ``-inf``."""
+    total = torch.logsumexp(lse, dim=0)
+    safe_total = total.masked_fill(torch.isneginf(total), 0.0)
+    weight = torch.exp(lse - safe_total).transpose(2, 3).unsqueeze(-1)  # [n, b, s, h, 1]
+    return (out * weight).sum(dim=0), total
+
+
 def fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Add attention sinks to finished (fully merged) rows, exactly, once.
 

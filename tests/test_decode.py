@@ -122,6 +122,24 @@ def test_a_full_cache_raises_on_every_rank_before_any_message(pools) -> None:
     assert all("token 5 would go to rank 1, which holds its capacity of 2 tokens" in e for e in errors), errors
 
 
+def bad_backend() -> str:
+    """Window 1: only the new token's owner sees a key; the others must still refuse the backend, not wait."""
+    rank = dist.get_rank()
+    inputs = make_inputs(3, 1, 5, 2, 2, 4, torch.float64)
+    k, v = inputs["k"], inputs["v"]
+    cache = ShardedKVCache.from_prefill(k[:, rank * 2:(rank + 1) * 2], v[:, rank * 2:(rank + 1) * 2],
+                                        torch.arange(rank * 2, (rank + 1) * 2), capacity=3)
+    try:
+        decode_attention(inputs["q"][:, 4:5], k[:, 4:5], v[:, 4:5], cache, window=1, backend="flash")
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_bad_backend_raises_on_every_rank(pools) -> None:
+    assert all("backend='flash' is not one of" in e for e in pools.get(2).run(bad_backend, timeout=60))
+
+
 def test_bad_shapes_are_named() -> None:
     cache = ShardedKVCache(torch.zeros(1, 4, 2, 4), torch.zeros(1, 4, 2, 4), torch.full((4,), -1), 0, [0], [4])
     with pytest.raises(ValueError, match=r"one token each"):

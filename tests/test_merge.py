@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ring_sp.merge import merge_block_
+from ring_sp.merge import merge_block_, merge_partials
 
 NEG_INF = -math.inf
 
@@ -40,6 +40,25 @@ def test_random_key_splits_equal_full_attention(num_blocks: int, seed: int) -> N
     full_out, full_lse = _block_attention(s, v)
     torch.testing.assert_close(lse, full_lse, atol=1e-12, rtol=0)
     torch.testing.assert_close(out, full_out, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("num_blocks", [1, 3, 8])
+def test_merging_all_partials_at_once_equals_full_attention(num_blocks: int) -> None:
+    """merge_partials (decode's n-way merge) on key splits, a row no block sees and a block that sees nothing."""
+    g = torch.Generator().manual_seed(num_blocks)
+    s = torch.randn(2, 3, 5, 40, generator=g, dtype=torch.float64) * 3
+    s[:, :, 4] = NEG_INF  # query row 4 sees no key at all
+    s[..., :8] = NEG_INF  # the first block sees nothing
+    v = torch.randn(2, 40, 3, 4, generator=g, dtype=torch.float64)
+    edges = [0, *(8 + 32 * i // num_blocks for i in range(num_blocks)), 40]  # [0, 8) and num_blocks more
+    blocks = [_block_attention(s[..., a:b], v[:, a:b]) for a, b in zip(edges, edges[1:])]
+    out, lse = merge_partials(torch.stack([b[0] for b in blocks]), torch.stack([b[1] for b in blocks]))
+    full_out, full_lse = _block_attention(s, v)
+    assert not torch.isnan(out).any() and torch.isneginf(lse[:, :, 4]).all() and (out[:, 4] == 0).all()
+    torch.testing.assert_close(lse, full_lse, atol=1e-12, rtol=0)
+    torch.testing.assert_close(out, full_out, atol=1e-12, rtol=0)
+    sequential = _merge_all(blocks)
+    torch.testing.assert_close(out, sequential[0], atol=1e-13, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

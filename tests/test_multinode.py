@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from example_scripts import _free_port
-from test_resume import (GPT, GPT_TINY, HAVE_DEEPSPEED, TRAINER, TRAINER_TINY, assert_bitwise_equal, needs_deepspeed,
-                         needs_hf, trainer_states)
+from test_resume import (GPT, GPT_TINY, HAVE_DEEPSPEED, TRAINER, TRAINER_TINY, assert_bitwise_equal, assert_ok, launch,
+                         needs_deepspeed, needs_hf, trainer_states)
 
 LOST_NODE_EXIT_S = 120.0  # the issue's bound for the survivors (measured: docs/multinode.md)
 
@@ -60,16 +60,15 @@ class Node:
 
 
 def start_node(script: Path, *args: str, node: int, port: str, folder: Path, nnodes: int = 2, ranks: int = 2,
-               launcher: str = "deepspeed", fault: str | None = None, **env: str) -> Node:
+               launcher: str = "deepspeed", fault: str | None = None) -> Node:
     """``script --cpu *args`` as node ``node`` of ``nnodes``, ``ranks`` CPU ranks, meeting at localhost:``port``;
-    ``fault``: RING_SP_EXAMPLE_FAULT for this node's ranks; ``env``: more variables."""
-    environ = {**os.environ, "PYTHON": sys.executable, "NUM_RANKS": str(ranks), "LAUNCHER": launcher, **env}
+    ``fault``: RING_SP_EXAMPLE_FAULT for this node's ranks."""
+    environ = {**os.environ, "PYTHON": sys.executable, "NUM_RANKS": str(ranks), "LAUNCHER": launcher}
     environ.pop("RING_SP_EXAMPLE_FAULT", None)
     if fault is not None:
         environ["RING_SP_EXAMPLE_FAULT"] = fault
     folder.mkdir(parents=True, exist_ok=True)
-    attempt = len(list(folder.glob(f"node{node}*.out")))  # a node started again writes new files
-    out, err = folder / f"node{node}.{attempt}.out", folder / f"node{node}.{attempt}.err"
+    out, err = folder / f"node{node}.out", folder / f"node{node}.err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen([str(script), "--cpu", *args, "--nnodes", str(nnodes), "--node-rank", str(node),
                                  "--master-addr", "127.0.0.1", "--master-port", port],
@@ -102,13 +101,9 @@ def run_nodes(script: Path, *args: str, folder: Path, launcher: str = "deepspeed
     return results[0][1]
 
 
-def run_one_node(script: Path, *args: str, launcher: str = "deepspeed", timeout: float = 300) -> list[dict]:
-    env = {**os.environ, "MASTER_PORT": str(_free_port()), "PYTHON": sys.executable, "NUM_RANKS": "4",
-           "LAUNCHER": launcher}
-    env.pop("RING_SP_EXAMPLE_FAULT", None)
-    proc = subprocess.run([str(script), "--cpu", *args], env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+def run_one_node(script: Path, *args: str, launcher: str = "deepspeed") -> list[dict]:
+    """The same example on one node of 4 ranks (the reference): its JSON lines."""
+    return assert_ok(launch(script, *args, ranks=4, launcher=launcher)).lines
 
 
 def assert_same_losses(got: list[dict], want: list[dict]) -> None:
@@ -174,11 +169,11 @@ def test_megatron_on_two_nodes_equals_one_node(tmp_path: Path) -> None:
     assert_same_losses(run_nodes(MEGATRON, *MEGATRON_TINY, folder=tmp_path, links=False), one)
 
 
-def lose_node_one(nodes: list[Node], stopped_rank: int | str = r"\d+", timeout: float = 240) -> float:
+def lose_node_one(nodes: list[Node], stopped_rank: int, timeout: float = 240) -> float:
     """Wait until ``stopped_rank`` (of node 1) stopped itself (the injected fault, after a checkpoint), then
     SIGKILL node 1's launcher and ranks; returns when that happened (time.time())."""
     deadline = time.monotonic() + timeout
-    while not re.search(rf"\[fault injection\] rank {stopped_rank} stops itself", nodes[1].stderr.read_text()):
+    while f"[fault injection] rank {stopped_rank} stops itself" not in nodes[1].stderr.read_text():
         assert nodes[1].proc.poll() is None and time.monotonic() < deadline, nodes[1].stderr.read_text()[-4000:]
         time.sleep(0.2)
     nodes[1].kill()

@@ -73,21 +73,20 @@ class LostRanks:
         self.rank, self.node = dist.get_rank(), node_name()
         self.peers: list[tuple[str, int]] = [("", 0)] * dist.get_world_size()
         dist.all_gather_object(self.peers, (self.node, os.getpid()))
-
-    def _local(self) -> list[int]:
-        return [rank for rank, (node, _) in enumerate(self.peers) if rank != self.rank and node == self.node]
+        others = [rank for rank in range(len(self.peers)) if rank != self.rank]
+        self.local = [rank for rank in others if self.peers[rank][0] == self.node]  # checked by pid
+        self.remote = [rank for rank in others if self.peers[rank][0] != self.node]  # asked through the store
 
     def dead(self, error: BaseException | None = None) -> list[int]:
         """The lost ranks: this node's whose processes are gone (waiting up to ``wait_s`` for one), then,
         when ``error`` is a communication error, the other nodes' that did not report to the store."""
         deadline = time.monotonic() + self.wait_s
         while True:
-            dead = [rank for rank in self._local() if _gone(self.peers[rank][1])]
+            dead = [rank for rank in self.local if _gone(self.peers[rank][1])]
             if dead or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        remote = [rank for rank in range(len(self.peers)) if rank != self.rank and rank not in self._local()]
-        return sorted(dead + self._silent(remote)) if remote and _communication_error(error) else dead
+        return sorted(dead + self._silent(self.remote)) if self.remote and _communication_error(error) else dead
 
     def _silent(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` that do not report alive to the default store within ``remote_wait_s``

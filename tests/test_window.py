@@ -225,7 +225,8 @@ def test_window_ulysses_and_grid_match_the_oracle(pools, u: int, r: int) -> None
 
 @pytest.mark.parametrize("mode,layout,u,r,world_size", [
     ("ring", "contiguous", 1, 2, 2), ("ring", "zigzag", 1, 3, 3), ("ring", "striped", 1, 2, 2),
-    ("hybrid", "zigzag", 2, 2, 4), ("ulysses", "zigzag", 1, 1, 2),
+    # the grid's gradcheck (14 s) is a sweep case: test_hybrid.py's grid gradcheck and the ring's here stay
+    pytest.param("hybrid", "zigzag", 2, 2, 4, marks=pytest.mark.slow), ("ulysses", "zigzag", 1, 1, 2),
 ])
 def test_window_float64_gradcheck(pools, mode: str, layout: str, u: int, r: int, world_size: int) -> None:
     """Gradcheck of the whole distributed function; window 3 crosses every shard (2 x SP tokens)."""

@@ -1,7 +1,7 @@
 """A slow link, emulated: every ring exchange stays in flight for a fixed delay.
 
-:func:`delayed_exchanges` wraps ``ring_sp.comm.RingComm.exchange`` so that the handle
-it returns completes no earlier than ``delay_s`` after the exchange was posted. If the
+:func:`delayed_exchanges` wraps ``ring_sp.comm.RingComm.exchange_with`` (every ring message) so
+that the handle it returns completes no earlier than ``delay_s`` after the exchange was posted. If the
 ring overlaps communication with compute, a step then takes ``max(compute, delay)``; if
 it did not, ``compute + delay``.
 """
@@ -31,14 +31,14 @@ class DelayedExchange:
 @contextlib.contextmanager
 def delayed_exchanges(delay_s: float) -> Iterator[None]:
     """Inside the block every ring exchange is in flight for at least ``delay_s`` seconds."""
-    original = RingComm.exchange
+    original = RingComm.exchange_with
 
     def delayed(self: RingComm, *args, **kwargs) -> DelayedExchange:
         posted = time.perf_counter()
         return DelayedExchange(original(self, *args, **kwargs), posted + delay_s)
 
-    RingComm.exchange = delayed
+    RingComm.exchange_with = delayed
     try:
         yield
     finally:
-        RingComm.exchange = original
+        RingComm.exchange_with = original

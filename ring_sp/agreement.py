@@ -73,7 +73,8 @@ class CallSignature:
     def of(q: object, k: object, v: object, *, causal: object, layout: object, softmax_scale: object,
            backend: object, ulysses_size: int, ring_size: int, cu_seqlens: tuple[int, ...] | None = None,
            sinks: object = None, sliding_window: object = None, kv_exchange: object = "ring",
-           head_chunks: object = None, spans: tuple[int, ...] | None = None) -> CallSignature:
+           head_chunks: object = None, spans: tuple[int, ...] | None = None,
+           node_size: int | None = None) -> CallSignature:
         def shape(t: object) -> tuple[int, int, int, int]:
             dims = tuple(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else (-1, -1, -1, -1)
             return dims  # type: ignore[return-value]
@@ -86,13 +87,13 @@ class CallSignature:
         values = (*shape(q), *shape(k), *shape(v), code(dtype, _DTYPES), code(device, ("cpu", "cuda")),
                   int(causal is True), code(layout, LAYOUT_CHOICES), code(backend, BACKENDS), _scale_bits(softmax_scale), ulysses_size, ring_size,
                   -1 if cu_seqlens is None else len(cu_seqlens), _masks_checksum(cu_seqlens, spans), *_sinks_code(sinks),
-                  _window_code(sliding_window), code(kv_exchange, KV_EXCHANGES), _chunks_code(head_chunks))
+                  _window_code(sliding_window), _exchange_code(kv_exchange, node_size), _chunks_code(head_chunks))
         text = (f"q {shape(q)}, k {shape(k)}, v {shape(v)}, dtype {dtype}, device {device}, causal={causal!r}, "
                 f"layout={layout!r}, softmax_scale={softmax_scale!r}, backend={backend!r}, ulysses x ring = {ulysses_size} x {ring_size}, "
                 f"cu_seqlens={'None' if cu_seqlens is None else f'{len(cu_seqlens) - 1} documents (checksum {_checksum(cu_seqlens)})'}, "
                 f"spans={'None' if spans is None else f'{len(spans) // 2} spans (checksum {_checksum(spans)})'}, "
-                f"sinks={_describe_sinks(sinks)}, sliding_window={sliding_window!r}, kv_exchange={kv_exchange!r}, "
-                f"head_chunks={head_chunks!r}")
+                f"sinks={_describe_sinks(sinks)}, sliding_window={sliding_window!r}, kv_exchange={kv_exchange!r}"
+                f"{f' (nodes of {node_size} ranks)' if kv_exchange == 'double_ring' else ''}, head_chunks={head_chunks!r}")
         return CallSignature.named("attention", values, text)
 
     @staticmethod
@@ -101,6 +102,13 @@ class CallSignature:
         if len(values) >= WIDTH:
             raise ValueError(f"a signature holds at most {WIDTH - 1} values; got {len(values)}")
         return CallSignature((_KINDS.index(kind), *values, *(-1,) * (WIDTH - 1 - len(values))), f"{kind}: {text}")
+
+
+def _exchange_code(kv_exchange: object, node_size: int | None) -> int:
+    """The exchange's index in :data:`KV_EXCHANGES`; the double ring's with the node size its inner rings
+    follow (ranks that read another from their launcher's environment would pair other partners)."""
+    index = KV_EXCHANGES.index(kv_exchange) if kv_exchange in KV_EXCHANGES else -1
+    return index + len(KV_EXCHANGES) * (node_size or 0) if kv_exchange == "double_ring" else index
 
 
 def _sinks_code(sinks: object) -> tuple[int, int]:

@@ -37,6 +37,7 @@ from .recompute import plan as recompute_plan
 from .recompute import reuse_requested
 from .ring import RingSpec, ring_comm_for
 from .schedule_cache import schedule_cache
+from .nodes import node_size_from_env, ring_inner_size
 from .shapes import HEAD_CHUNKS_AUTO, check_ulysses_heads
 from .spans import Spans, as_spans, check_spans
 from .topology import SequenceParallelTopology
@@ -67,6 +68,7 @@ def _prepare(
     kv_exchange: str = "ring",
     head_chunks: int | str | None = None,
     spans: Spans | None = None,
+    node_size: int | None = None,
 ) -> tuple[RingSpec, UlyssesSpec | None, int]:
     """Every local check, then the plan of the call (its ring, its Ulysses side, its number of
     head chunks). Raises before any collective."""
@@ -105,11 +107,15 @@ def _prepare(
     else:
         chunks = 1 if head_chunks is None else head_chunks
     check_head_chunk_split(chunks, q.shape[2], k.shape[2], u)
+    # a double ring: its inner rings hold each node's ring ranks (1 or R: the flat ring, step for step)
+    inner = (ring_inner_size(dist.get_process_group_ranks(ring_group), node_size)
+             if kv_exchange == "double_ring" and ring_group is not None else None)
     owner = ring_group if ring_group is not None else ulysses_group
     assert owner is not None  # every entry point passes one group at least
     ring = RingSpec(ring_comm_for(ring_group) if r > 1 else None, layout, causal, kernel,
                     resolve_scale(softmax_scale, q.shape[3]), q.shape[1] * u, cu_seqlens, window=window,
-                    ulysses_size=u, schedules=schedule_cache(owner), kv_exchange=kv_exchange, spans=spans or None)
+                    ulysses_size=u, schedules=schedule_cache(owner), kv_exchange=kv_exchange, spans=spans or None,
+                    inner_size=inner)
     return ring, (UlyssesSpec(ulysses_group, u, reorder, kernel.head_major) if u > 1 else None), chunks
 
 
@@ -145,10 +151,13 @@ def _attention(
     kv_exchange: str = "ring",
     head_chunks: int | str | None = None,
     spans: torch.Tensor | list[tuple[int, int]] | None = None,
+    node_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid."""
+    """Check, agree over ``agreement_group`` (all ranks of the grid), then run the grid. ``node_size``:
+    ranks per node (a topology's, else the launcher's), which a double ring's inner rings follow."""
     options = dict(causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
-                   sliding_window=sliding_window, kv_exchange=kv_exchange, head_chunks=head_chunks)
+                   sliding_window=sliding_window, kv_exchange=kv_exchange, head_chunks=head_chunks,
+                   node_size=node_size if kv_exchange == "double_ring" else None)
     always = validation_requested(validate)
     boundaries = span_pairs = None
     try:
@@ -203,7 +212,8 @@ def raise_on_every_rank(error: Exception, q: object, k: object, v: object, *,
         signature = CallSignature.of(q, k, v, causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                                      ulysses_size=topology.ulysses_size, ring_size=topology.ring_size,
                                      cu_seqlens=cu_seqlens, sinks=sinks, sliding_window=sliding_window,
-                                     kv_exchange=kv_exchange, head_chunks=head_chunks, spans=spans)
+                                     kv_exchange=kv_exchange, head_chunks=head_chunks, spans=spans,
+                                     node_size=topology.node_size if kv_exchange == "double_ring" else None)
         agree(topology.sp_group, signature, error, always=True, device=_device(q))
     raise error
 
@@ -271,8 +281,11 @@ def ring_attention(
     collective overlapped with the own block's compute, computes the same blocks of the same
     schedule against it, and reduce-scatters the fp32 dK/dV once (fewer steps and messages;
     holds ``R`` KV shards and ``R`` fp32 dK/dV shards in backward); ``"auto"``: the planner's
-    choice for the call's shapes (:func:`ring_sp.planner.choose_kv_exchange`). Every option
-    above works with either.
+    choice for the call's shapes (:func:`ring_sp.planner.choose_kv_exchange`); ``"double_ring"``:
+    a ring that spans nodes runs as an inner ring in each node, each shard crossing to every
+    other node once (:mod:`ring_sp.schedule.ring_order`; the node size from the launcher's
+    environment here, from the topology in :func:`hybrid_attention`). Every option above works
+    with each.
     ``head_chunks``: run the call's heads in that many chunks (None or 1: all at once), each of
     whole GQA groups, so the all-to-all and ring buffers and the fp32 accumulators exist for one
     chunk at a time (results and bytes sent are the unchunked ones). It must divide the KV
@@ -285,7 +298,8 @@ def ring_attention(
                           causal=causal, layout=layout, softmax_scale=softmax_scale, backend=backend,
                           return_lse=return_lse, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
                           sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute,
-                          kv_exchange=kv_exchange, head_chunks=head_chunks, spans=spans)
+                          kv_exchange=kv_exchange, head_chunks=head_chunks, spans=spans,
+                          node_size=node_size_from_env() if kv_exchange == "double_ring" else None)
     return (out, lse) if return_lse else out
 
 
@@ -366,4 +380,4 @@ def hybrid_attention(
                       agreement_group=topology.sp_group, causal=causal, layout=layout, softmax_scale=softmax_scale,
                       backend=backend, return_lse=False, validate=validate, cu_seqlens=cu_seqlens, sinks=sinks,
                       sliding_window=sliding_window, reuse_on_recompute=reuse_on_recompute,
-                      kv_exchange=kv_exchange, head_chunks=head_chunks, spans=spans)[0]
+                      kv_exchange=kv_exchange, head_chunks=head_chunks, spans=spans, node_size=topology.node_size)[0]

@@ -91,12 +91,19 @@ class RingComm:
                  offset: int = 1) -> PendingExchange:
         """Post ``send`` -> rank + ``offset`` and ``recv`` <- rank - ``offset``; returns at once.
         Either may be None (a one-sided step of a sliding-window halo), not both."""
+        return self.exchange_with(send, (self.rank + offset) % self.world_size, recv,
+                                  (self.rank - offset) % self.world_size, kind)
+
+    def exchange_with(self, send: torch.Tensor | None, to: int, recv: torch.Tensor | None, source: int,
+                      kind: str = "ring_p2p") -> PendingExchange:
+        """Post ``send`` -> group rank ``to`` and ``recv`` <- group rank ``source``; returns at once.
+        Either may be None, not both."""
         ops = []
         if send is not None:
             _record(kind, _nbytes(send))
-            ops.append(dist.P2POp(dist.isend, send, self._global[(self.rank + offset) % self.world_size], self.group))
+            ops.append(dist.P2POp(dist.isend, send, self._global[to], self.group))
         if recv is not None:
-            ops.append(dist.P2POp(dist.irecv, recv, self._global[(self.rank - offset) % self.world_size], self.group))
+            ops.append(dist.P2POp(dist.irecv, recv, self._global[source], self.group))
         return PendingExchange(dist.batch_isend_irecv(ops))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, kind: str) -> PendingExchange:

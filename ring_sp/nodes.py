@@ -97,5 +97,24 @@ def placement_advice(ranks: Sequence[int], ulysses_size: int, ring_size: int, pl
             f"(e.g. {max(u for u in divisors(node_size) if u <= ulysses_size)})")
 
 
+def ring_inner_size(ranks: Sequence[int], node_size: int | None) -> int:
+    """Ring ranks per node of a ring over global ``ranks`` (in ring order) on nodes of ``node_size``:
+    what a double ring's inner rings hold (``kv_exchange="double_ring"``, :mod:`ring_sp.schedule.ring_order`).
+    Raises, naming the fix, when the node size is unknown or a node's ring ranks are not consecutive
+    in the ring or not as many as every other node's."""
+    if node_size is None:
+        raise ValueError(f"kv_exchange='double_ring' needs the node size: launch with a launcher that exports one of "
+                         f"{', '.join(NODE_SIZE_ENV)}, or pass node_size= to ring_sp.init_sequence_parallel")
+    nodes = [rank // node_size for rank in ranks]
+    inner = next((i for i, node in enumerate(nodes) if node != nodes[0]), len(nodes))
+    blocks = [nodes[i:i + inner] for i in range(0, len(nodes), inner)]
+    if len(nodes) % inner or any(len(set(block)) != 1 for block in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        raise ValueError(f"kv_exchange='double_ring': the ring's ranks {list(ranks)} lie on nodes {nodes} (nodes of "
+                         f"{node_size} ranks): a double ring needs each node's ring ranks consecutive in the ring and "
+                         f"as many on every node (placement='ulysses_inner' with a ulysses_size dividing {node_size}); "
+                         f"use kv_exchange='ring'")
+    return inner
+
+
 __all__ = ["LINKS", "NODE_SIZE_ENV", "check_node_size", "describe_links", "grid_links", "group_link", "node_size_from_env",
-           "placement_advice"]
+           "placement_advice", "ring_inner_size"]

@@ -19,7 +19,9 @@ _FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # The local attention backends a call may name (ring_sp.kernels runs them).
 BACKENDS = ("auto", "torch", "flash_attn", "reference", "cudnn")
 # How the ring group exchanges KV: rotate it (the ring), gather it once, or the planner's choice.
-KV_EXCHANGES = ("ring", "all_gather", "auto")
+# "double_ring": the ring over nodes as an inner ring per node and one inter-node message per outer
+# step (ring_sp.schedule.ring_order); appended, so the agreement's codes of the others stay
+KV_EXCHANGES = ("ring", "all_gather", "auto", "double_ring")
 
 
 def _describe(x: object) -> str:
@@ -164,7 +166,8 @@ def check_kv_exchange(kv_exchange: object) -> None:
         raise ValueError(
             f"kv_exchange={kv_exchange!r} is not one of {KV_EXCHANGES}: 'ring' rotates KV shards around the ring "
             f"group (the default), 'all_gather' gathers every KV shard once and reduce-scatters dK/dV, 'auto' lets "
-            f"the planner (ring_sp.planner.choose_kv_exchange) pick"
+            f"the planner (ring_sp.planner.choose_kv_exchange) pick, 'double_ring' runs a ring that spans nodes as "
+            f"an inner ring in each node and one inter-node message per shard and node (needs the node size)"
         )
 
 

@@ -7,6 +7,9 @@ shard of out/lse/dq/dk/dv against the oracle's, raising AssertionError on any ex
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,15 +21,34 @@ from oracle import (DTYPES, GRAD_TOL, LSE_ATOL, OUT_TOL, RATIO_FLOOR, assert_clo
 from ring_sp.kernels import get_kernel, softmax_stat_dtype
 from ring_sp.merge import fold_sinks
 
-_TOPOLOGIES: dict[tuple[int, int, str], ring_sp.SequenceParallelTopology] = {}
+_TOPOLOGIES: dict[tuple[int, int, str, int | None], ring_sp.SequenceParallelTopology] = {}
 
 
-def topology(ulysses: int, ring: int, placement: str = "ulysses_inner") -> ring_sp.SequenceParallelTopology:
-    """One topology per shape per pool (group creation is collective and not free)."""
-    key = (ulysses, ring, placement)
+def topology(ulysses: int, ring: int, placement: str = "ulysses_inner",
+             node_size: int | None = None) -> ring_sp.SequenceParallelTopology:
+    """One topology per shape per pool (group creation is collective and not free); ``node_size``:
+    the emulated nodes' ranks (None: unknown)."""
+    key = (ulysses, ring, placement, node_size)
     if key not in _TOPOLOGIES:
-        _TOPOLOGIES[key] = ring_sp.init_sequence_parallel(ulysses, ring, placement=placement)
+        _TOPOLOGIES[key] = ring_sp.init_sequence_parallel(ulysses, ring, placement=placement, node_size=node_size)
     return _TOPOLOGIES[key]
+
+
+@contextlib.contextmanager
+def nodes_of(node_size: int | None) -> Iterator[None]:
+    """The launcher's ranks per node (``LOCAL_WORLD_SIZE``) set to ``node_size`` for the block (None: untouched)."""
+    if node_size is None:
+        yield
+        return
+    before = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(node_size)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = before
 
 
 @dataclass(frozen=True)
@@ -51,7 +73,8 @@ class AttnCase:
     sinks: bool | tuple[float, ...] = False  # one sink logit per query head: random (True) or these
     d_v: int | None = None  # value head size (None = d; MLA when different)
     window: int | None = None  # sliding_window (causal): query i sees keys i - window < j <= i
-    kv_exchange: str = "ring"  # the ring group's KV exchange: "ring", "all_gather" or "auto"
+    kv_exchange: str = "ring"  # the ring group's KV exchange: "ring", "all_gather", "auto" or "double_ring"
+    node_size: int | None = None  # emulated ranks per node (double_ring)
     spans: bool = False  # random bidirectional spans inside the documents (causal), from the seed
 
     def label(self) -> str:
@@ -61,6 +84,7 @@ class AttnCase:
                 f"{f' d_v={self.d_v}' if self.d_v is not None else ''}"
                 f"{'' if self.window is None else f' window={self.window}'}"
                 f"{'' if self.kv_exchange == 'ring' else f' kv_exchange={self.kv_exchange}'}"
+                f"{'' if self.node_size is None else f' nodes of {self.node_size}'}"
                 f"{' spans' if self.spans else ''}")
 
 
@@ -146,13 +170,13 @@ def case_documents(case: AttnCase, sp_size: int) -> tuple[int, ...] | None:
 def _sp_coordinates(case: AttnCase) -> tuple[int, int, int]:
     """(sp_rank, sp_size, dp_rank) of this process for the case's mode."""
     if case.mode == "hybrid":
-        topo = topology(case.ulysses, case.ring, case.placement)
+        topo = topology(case.ulysses, case.ring, case.placement, case.node_size)
         return topo.sp_rank, topo.sp_size, topo.dp_rank
     return dist.get_rank(), dist.get_world_size(), 0
 
 
 def _sp_group(case: AttnCase) -> dist.ProcessGroup | None:
-    return topology(case.ulysses, case.ring, case.placement).sp_group if case.mode == "hybrid" else None
+    return topology(case.ulysses, case.ring, case.placement, case.node_size).sp_group if case.mode == "hybrid" else None
 
 
 def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None, sinks=None,
@@ -167,10 +191,12 @@ def _run_distributed(case: AttnCase, q: torch.Tensor, k: torch.Tensor, v: torch.
             raise ValueError(f"{case.label()}: ulysses_attention has no ring group (kv_exchange)")
         common["kv_exchange"] = case.kv_exchange
     if case.mode == "ring":
-        return ring_sp.ring_attention(q, k, v, return_lse=True, **common)
+        with nodes_of(case.node_size):
+            return ring_sp.ring_attention(q, k, v, return_lse=True, **common)
     if case.mode == "ulysses":
         return ring_sp.ulysses_attention(q, k, v, **common), None
-    return ring_sp.hybrid_attention(q, k, v, topology=topology(case.ulysses, case.ring, case.placement), **common), None
+    topo = topology(case.ulysses, case.ring, case.placement, case.node_size)
+    return ring_sp.hybrid_attention(q, k, v, topology=topo, **common), None
 
 
 def _single_device(inputs: dict[str, torch.Tensor], case: AttnCase, cu_seqlens: tuple[int, ...] | None = None,
@@ -281,7 +307,7 @@ def global_outputs(case: AttnCase) -> dict[str, torch.Tensor]:
     out, _ = _run_distributed(case, q, k, v)
     out.backward(shard(inputs["dout"]))
     if case.mode == "hybrid":
-        topo = topology(case.ulysses, case.ring, case.placement)
+        topo = topology(case.ulysses, case.ring, case.placement, case.node_size)
         gather = lambda x: topo.gather_sequence(x.detach(), layout=case.layout)  # noqa: E731
     else:
         gather = lambda x: ring_sp.gather_sequence(x.detach(), layout=case.layout)  # noqa: E731
@@ -335,12 +361,13 @@ class _SumGradsOverRanks(torch.autograd.Function):
 
 def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring: int = 1,
                    window: int | None = None, *, sinks: bool = False, d_v: int | None = None,
-                   spans: list[tuple[int, int]] | None = None, cu_seqlens: tuple[int, ...] | None = None) -> bool:
+                   spans: list[tuple[int, int]] | None = None, cu_seqlens: tuple[int, ...] | None = None,
+                   kv_exchange: str = "ring", node_size: int | None = None) -> bool:
     """Slow-mode float64 gradcheck of the whole distributed function on every rank
     (``window``: its ``sliding_window``; ``sinks``: their gradient too; ``d_v``: v's head size;
     ``spans``: bidirectional spans of the ``2 x SP`` tokens; ``cu_seqlens``: their documents,
-    ``2 x SP`` tokens in all)."""
-    topo = topology(ulysses, ring) if mode == "hybrid" else None
+    ``2 x SP`` tokens in all; ``kv_exchange``, ``node_size``: the ring's exchange on emulated nodes)."""
+    topo = topology(ulysses, ring, node_size=node_size) if mode == "hybrid" else None
     sp_rank, sp_size = (topo.sp_rank, topo.sp_size) if topo else (dist.get_rank(), dist.get_world_size())
     group = topo.sp_group if topo else None
     n = 2 * sp_size  # slow-mode gradcheck costs ~2 forwards per input element
@@ -354,13 +381,16 @@ def gradcheck_case(mode: str, layout: str, causal: bool, ulysses: int = 1, ring:
         options["spans"] = spans
     if cu_seqlens is not None:
         options["cu_seqlens"] = cu_seqlens
+    if kv_exchange != "ring":
+        options["kv_exchange"] = kv_exchange
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
         shard = lambda x: _ShardSummingGrads.apply(x, sp_rank, sp_size, layout, group, cu_seqlens)  # noqa: E731
         q, k, v = shard(q), shard(k), shard(v)
         extra = {"sinks": _SumGradsOverRanks.apply(rest[0], group)} if rest else {}
         if mode == "ring":
-            out = ring_sp.ring_attention(q, k, v, **options, **extra)
+            with nodes_of(node_size):
+                out = ring_sp.ring_attention(q, k, v, **options, **extra)
         elif mode == "ulysses":
             out = ring_sp.ulysses_attention(q, k, v, **options, **extra)
         else:

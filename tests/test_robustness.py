@@ -223,18 +223,19 @@ def test_out_of_step_shape_change_fails_within_the_timeout_without_abort(pools, 
 # ---- F: faults mid-forward / mid-backward ---------------------------------------------
 
 def _inject(kind: str, at_call: int, action) -> None:
-    """Wrap RingComm.exchange on this rank: run ``action`` at the ``at_call``-th exchange of ``kind``."""
-    original = RingComm.exchange
+    """Wrap RingComm.exchange_with (every ring message goes through it) on this rank: run ``action`` at
+    the ``at_call``-th exchange of ``kind``."""
+    original = RingComm.exchange_with
     seen = {"n": 0}
 
-    def exchange(self, send, recv, kind_="ring_p2p", **kwargs):
+    def exchange_with(self, send, to, recv, source, kind_="ring_p2p"):
         if kind_ == kind:
             seen["n"] += 1
             if seen["n"] == at_call:
                 action()
-        return original(self, send, recv, kind_, **kwargs)
+        return original(self, send, to, recv, source, kind_)
 
-    RingComm.exchange = exchange  # the pool is killed after every fault case
+    RingComm.exchange_with = exchange_with  # the pool is killed after every fault case
 
 
 def _raise_injected() -> None:

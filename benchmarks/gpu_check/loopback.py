@@ -65,9 +65,23 @@ class Loopback:
 
     def exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None, kind: str = "ring_kv",
                  offset: int = 1) -> PendingExchange:
+        """The neighbour exchange (the relayed dK/dV accumulator: its i-th send carries shard r - i, whole)."""
+        if kind != "ring_dkv" or offset != 1:
+            raise ValueError(f"the loopback's neighbour exchange is the relayed 'ring_dkv'; got {kind!r}, offset {offset}")
+        if recv is not None:
+            recv.zero_()
+        if send is not None and self.store is not None:
+            self.store.add((self.rank - self.relayed) % self.world_size, None, send)
+            self.relayed += 1
+        return PendingExchange([])
+
+    def exchange_with(self, send: torch.Tensor | None, to: int, recv: torch.Tensor | None, source: int,
+                      kind: str = "ring_kv") -> PendingExchange:
+        """A flat ring's message: the KV of ``source`` (step ``r - source``), or a partial straight home to ``to``
+        (rows ``recv_rows[r - to]`` of its shard)."""
         if kind == "ring_kv":
             if recv is not None:
-                source, rows = (self.rank - offset) % self.world_size, self.recv_rows[offset]
+                rows = self.recv_rows[(self.rank - source) % self.world_size]
                 k, v = self.ks[source], self.vs[source]
                 size = k.shape[0] * rows.count * k.shape[2] * k.shape[3]
                 rows.gather(k, recv[:size].view(k.shape[0], rows.count, *k.shape[2:]))
@@ -76,12 +90,7 @@ class Loopback:
             if recv is not None:
                 recv.zero_()
             if send is not None and self.store is not None:
-                if offset > 0:  # the relayed accumulator: its i-th send carries shard r - i, whole
-                    owner, rows = (self.rank - self.relayed) % self.world_size, None
-                    self.relayed += 1
-                else:  # a partial, straight home: rows recv_rows[t] of shard r - t
-                    owner, rows = (self.rank + offset) % self.world_size, self.recv_rows[-offset]
-                self.store.add(owner, rows, send)
+                self.store.add(to, self.recv_rows[(self.rank - to) % self.world_size], send)
         else:
             raise ValueError(f"the loopback stands in for the ring's 'ring_kv' and 'ring_dkv' exchanges; got {kind!r}")
         return PendingExchange([])

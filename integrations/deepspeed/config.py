@@ -44,8 +44,8 @@ class RingSPConfig:
     ``layout`` is how a global sequence is split over it (``topology.shard_batch`` and the
     attention must agree); ``placement`` whether a Ulysses group (``ulysses_inner``) or a
     ring (``ring_inner``) is made of consecutive ranks; ``backend`` the local attention
-    kernel; ``kv_exchange`` how a ring group exchanges KV (``ring``, ``all_gather`` or
-    ``auto``: see :func:`ring_sp.ring_attention`); ``enabled: false`` keeps the section but
+    kernel; ``kv_exchange`` how a ring group exchanges KV (``ring``, ``all_gather``, ``auto``
+    or ``double_ring`` for a ring spanning nodes: see :func:`ring_sp.ring_attention`); ``enabled: false`` keeps the section but
     turns ring_sp off. ``tiled_mlp``, ``tiled_loss``, ``offload_checkpoints``, ``tile_tokens``
     and ``lean_layers`` (null: on with tiling) switch on the long-sequence step (default off; see
     ``head_chunks``: the attention's heads in chunks (null: unchunked, ``"auto"`` with the

@@ -46,7 +46,8 @@ def add_ring_sp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="local attention kernel (default auto: ring_sp.kernels.AUTO_ORDER's first that can run)")
     group.add_argument("--ring-sp-kv-exchange", choices=KV_EXCHANGES, default="ring",
                        help="how a ring group exchanges KV: ring (default), all_gather (gather once, reduce-scatter "
-                            "dK/dV) or auto (the planner's choice per call)")
+                            "dK/dV), auto (the planner's choice per call) or double_ring (a ring spanning nodes: an "
+                            "inner ring per node, each KV shard crossing to every other node once)")
     return parser
 
 

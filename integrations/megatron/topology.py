@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import ring_sp
 from ring_sp import SequenceParallelTopology
+from ring_sp.nodes import node_size_from_env
 
 from .config import RingSPConfig
 
@@ -108,7 +109,8 @@ def _build(
         topology = SequenceParallelTopology(
             ulysses_size=u, ring_size=r, placement=config.placement, rank=dist.get_rank(),
             ring_rank=ring_group.rank(), ulysses_rank=ulysses_group.rank(), sp_group=cp_group,
-            ulysses_group=ulysses_group, ring_group=ring_group, sp_group_layout_ranks=tuple(range(cp_size)), **dp,
+            ulysses_group=ulysses_group, ring_group=ring_group, sp_group_layout_ranks=tuple(range(cp_size)),
+            node_size=node_size_from_env(), **dp,  # (the launcher's ranks per node: a double ring's inner rings)
         )
     else:
         topology = dataclasses.replace(ring_sp.init_sequence_parallel(u, r, placement=config.placement, group=cp_group), **dp)

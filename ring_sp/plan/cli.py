@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     pin.add_argument("--ulysses", type=int, help="Ulysses size U (ring size = SP / U)")
     pin.add_argument("--placement", choices=PLACEMENTS)
     pin.add_argument("--layout", choices=("auto", "zigzag", "striped", "contiguous"), default="auto")
-    pin.add_argument("--kv-exchange", choices=KV_EXCHANGES, default="auto",
+    pin.add_argument("--kv-exchange", choices=KV_EXCHANGES[:3], default="auto",
                      help="the ring group's KV exchange: ring, all_gather, or auto (model both; default)")
     step = p.add_argument_group("the whole training step (with --model)")
     step.add_argument("--max-seq-len", action="store_true",

@@ -84,8 +84,8 @@ def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | 
             check_layout(layout, sp, work.seq_len, name="seq-len")
         except ValueError as exc:
             raise PlanError(str(exc)) from None
-    if kv_exchange not in KV_EXCHANGES:
-        raise PlanError(f"kv-exchange={kv_exchange!r} is not one of {KV_EXCHANGES}")
+    if kv_exchange not in KV_EXCHANGES[:3]:  # (the double ring is chosen by --ring)
+        raise PlanError(f"kv-exchange={kv_exchange!r} is not one of {KV_EXCHANGES[:3]}")
     exchanges = ("ring", "all_gather") if kv_exchange == "auto" else (kv_exchange,)
     if placement is not None and placement not in PLACEMENTS:
         raise PlanError(f"placement={placement!r} is not one of {PLACEMENTS}")

@@ -22,6 +22,7 @@ import torch
 
 from ..comm import PendingExchange
 from .kv_exchange import KVShape, Mail, PackedKV
+from .rows import MessageRows
 from .spec import RingSpec
 
 
@@ -72,39 +73,102 @@ class RelayedGrads:
 
 
 class DirectGrads:
-    """The dK/dV route of ring messages: the fp32 partial for the rows of rank ``r - t``'s KV
-    used at step ``t`` goes straight home (one message per partner that read something), and
-    this rank adds the partials for its own rows as they arrive from ``r + t``; rounded once, by the owner.
-    The previous step's exchange is awaited at the step's first block (or its end), after compute."""
+    """The dK/dV route of ring messages: the fp32 partial for the rows of the KV read at step ``t``
+    goes back the way the KV came, to its sender (one message per partner that read something:
+    the flat ring's ``r - t``), and this rank adds the partials for the rows it sent as they arrive;
+    rounded once, by the owner. The previous step's exchange is awaited at the step's first block
+    (or its end), after compute.
+
+    A double ring: the holder of a shard during an outer step sums its node's partials of it (its
+    own, then those its readers send back) into a held accumulator (two, fp32, alternating by
+    outer step) and sends the sum home over the inter-node link once the outer step's last partial
+    is in; the owner adds what its peers send back. One inter-node message per outer step, as
+    the KV's."""
 
     def __init__(self, spec: RingSpec, shape: KVShape, rows: int, acc_dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.spec = spec
+        self.spec, self.order = spec, spec.order
         self.home = shape.allocate(rows, acc_dtype, device, zero=True)
         self.mail = Mail(spec, None, "ring_dkv", shape, acc_dtype, device, reverse=True)
         self.pending: tuple[int, PendingExchange] | None = None
         self.target: PackedKV | None = None
+        inner, size = self.order.inner_size, spec.world_size
+        held = [_rows(spec.recv_rows[t]) for t in range(inner, size, inner)] if self.order.double else []
+        sent = [_rows(r) for r in spec.inter_send]
+        self.sums = [shape.allocate(max(held, default=0), acc_dtype, device) for _ in range(2 if held else 0)]
+        self.back = [shape.allocate(max(sent, default=0), acc_dtype, device) for _ in range(2 if held else 0)]
+        self.inter_pending: dict[int, PendingExchange] = {}
+
+    def _sum(self, outer: int) -> PackedKV:
+        """Where the partials of the shard held during ``outer`` add up (the own shard's home for 0)."""
+        if outer == 0:
+            return self.home
+        return KVShape.of(self.sums[0].k, self.sums[0].v).view(
+            self.sums[outer % 2].buf, _rows(self.spec.recv_rows[outer * self.order.inner_size]))
 
     def _collect(self) -> None:
         if self.pending is not None:
             step, work = self.pending
             work.wait()
             rows = self.spec.send_rows[step]
-            if rows is not None:  # rank + step computed with these rows of our KV: their partial arrived
+            if rows is not None:  # our reader computed with these rows of what we hold: their partial arrived
                 partial = self.mail.received(step)
                 assert partial is not None
-                rows.add_to(self.home.k, partial.k)
-                rows.add_to(self.home.v, partial.v)
+                into = self._sum(step // self.order.inner_size if self.order.double else 0)
+                rows.add_to(into.k, partial.k)
+                rows.add_to(into.v, partial.v)
             self.pending = None
+
+    def _send_home(self, outer: int) -> None:
+        """Post the held sum of ``outer`` home, and receive what this rank's peer in node ``n + outer``
+        summed of its shard."""
+        first, rank = outer * self.order.inner_size, self.spec.rank
+        held, back = self.spec.recv_rows[first], self.spec.inter_send[outer]
+        send = None if held is None else self._sum(outer)
+        recv = None if back is None else self._back(outer)
+        if send is None and recv is None:
+            return
+        assert self.spec.comm is not None  # world_size > 1 here
+        self.inter_pending[outer] = self.spec.comm.exchange_with(
+            None if send is None else send.buf, self.order.sender(rank, first),
+            None if recv is None else recv.buf, self.order.inter_peer(rank, outer), "ring_dkv_inter")
+
+    def _back(self, outer: int) -> PackedKV:
+        rows = _rows(self.spec.inter_send[outer])
+        return KVShape.of(self.back[0].k, self.back[0].v).view(self.back[outer % 2].buf, rows)
+
+    def _arrived_home(self, outer: int) -> None:
+        """Await ``outer``'s inter-node partials and add what came back into the home rows."""
+        pending = self.inter_pending.pop(outer, None)
+        if pending is None:
+            return
+        pending.wait()
+        rows = self.spec.inter_send[outer]
+        if rows is not None:
+            back = self._back(outer)
+            rows.add_to(self.home.k, back.k)
+            rows.add_to(self.home.v, back.v)
 
     def begin(self, step: int) -> None:
         self.target = self.home
-        if step:
-            # this step's stage slot is free: its step - 2 exchange was awaited during step - 1
+        if not step:
+            return
+        if self.order.double and not self.order.inner_step(step):  # an outer step begins: the last one's sum goes home
+            outer = step // self.order.inner_size
+            self._collect()
+            if outer > 1:
+                self._send_home(outer - 1)
+            self._arrived_home(outer - 2)  # its buffers are this outer step's
             self.target = None
-            if self.spec.recv_rows[step] is not None:  # we hold rows of rank - step's KV: a partial goes home
-                self.target = self.mail.outgoing(step)
+            if self.spec.recv_rows[step] is not None:
+                self.target = self._sum(outer)
                 self.target.buf.zero_()
+            return
+        # this step's stage slot is free: its step - 2 exchange was awaited during step - 1
+        self.target = None
+        if self.spec.recv_rows[step] is not None:  # we hold rows of the sender's KV: a partial goes back
+            self.target = self.mail.outgoing(step)
+            self.target.buf.zero_()
 
     def add(self, keys: slice, dk_b: torch.Tensor, dv_b: torch.Tensor) -> None:
         self._collect()
@@ -112,14 +176,24 @@ class DirectGrads:
         self.target.v[:, keys] += dv_b  # type: ignore[union-attr]
 
     def end(self, step: int) -> None:
-        if step:
+        if step and not (self.order.double and not self.order.inner_step(step)):
             self._collect()
             work = self.mail.post(step, self.target)
             self.pending = None if work is None else (step, work)
 
     def finish(self, deliver_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         self._collect()
+        if self.order.double:
+            last = self.order.outer_size - 1
+            if last >= 1:
+                self._send_home(last)
+            for outer in range(max(1, last - 1), last + 1):
+                self._arrived_home(outer)
         return self.home.k.to(deliver_dtype), self.home.v.to(deliver_dtype)
+
+
+def _rows(rows: MessageRows | None) -> int:
+    return 0 if rows is None else rows.count
 
 
 class GatheredGrads:

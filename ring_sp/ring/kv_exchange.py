@@ -95,47 +95,111 @@ class _Slots:
 
 
 class Mail:
-    """The messages of one pass in one direction. Step ``t`` receives rows ``recv_rows[t]``
-    of rank ``r - t``'s shard into one of two inbox slots (``t % 2``; the other one may still
-    be computed with) and sends rows ``send_rows[t]`` of ``own`` to ``r + t``: ``own`` itself
-    when whole, else staged (:class:`~.rows.MessageRows`). ``reverse`` swaps the two directions
-    (partials go home to ``r - t``)."""
+    """The messages of one pass in one direction. Step ``t`` receives rows ``recv_rows[t]`` of the
+    shard it reads from its sender (``spec.order.sender``: the flat ring's ``r - t``) into one of
+    two inbox slots (``t % 2``; the other one may still be computed with) and sends rows
+    ``send_rows[t]`` of what it holds to its reader (the flat ring's ``r + t``): ``own`` (or a
+    double ring's held message) itself when whole, else staged (:class:`~.rows.MessageRows`).
+    ``reverse`` swaps the two directions (partials go home to the sender).
+
+    A double ring (forward): the first step of each outer step ``o >= 1`` reads the held message,
+    the rows of its peer's shard that this node reads, sent by that peer once over the inter-node
+    link (``inter_send``) into one of two held slots, posted with the first inner step of the
+    outer step before (a whole inner pass to arrive) and awaited when it is first needed."""
 
     def __init__(self, spec: RingSpec, own: PackedKV | None, kind: str, shape: KVShape, dtype: torch.dtype,
                  device: torch.device, reverse: bool = False) -> None:
         self.spec, self.own, self.kind, self.reverse = spec, own, kind, reverse
+        self.order = order = spec.order
         self.inbound, self.outbound = (spec.send_rows, spec.recv_rows) if reverse else (spec.recv_rows, spec.send_rows)
-        arriving = [_span(r) for r in self.inbound[1:]]
+        inner = [t for t in range(1, spec.world_size) if order.inner_step(t)]  # steps messaged inside the node
+        arriving = [_span(self.inbound[t]) for t in inner]
         self.inbox = _Slots(min(2, sum(map(bool, arriving))), shape, arriving, dtype, device)
-        staged = [_span(r) for r in self.outbound[1:] if r is not None and (own is None or not r.whole)]
+        staged = [_span(self.outbound[t]) for t in inner
+                  if self.outbound[t] is not None and (own is None or not self.outbound[t].whole)]
         self.stage = _Slots(2 if reverse else 1, shape, staged, dtype, device)
+        self.double = order.double and not reverse
+        outer_steps = range(order.inner_size, spec.world_size, order.inner_size) if self.double else ()
+        self.held = _Slots(2, shape, [_span(self.inbound[t]) for t in outer_steps], dtype, device)
+        self.inter_stage = _Slots(1, shape, [_span(r) for r in spec.inter_send if r is not None and not r.whole],
+                                  dtype, device)
+        self.inter_pending: dict[int, PendingExchange] = {}
 
     def received(self, step: int) -> PackedKV | None:
         """Step ``step``'s message (after its exchange was waited on); None if none arrives."""
-        return None if self.inbound[step] is None else self.inbox.view(step, _span(self.inbound[step]))
+        if self.inbound[step] is None:
+            return None
+        if self.double and not self.order.inner_step(step):
+            return self._held(step // self.order.inner_size)
+        return self.inbox.view(step, _span(self.inbound[step]))
 
     def outgoing(self, step: int) -> PackedKV:
         """A buffer for step ``step``'s message that the caller fills (the ``reverse`` direction)."""
         return self.stage.view(step, _span(self.outbound[step]))
 
+    def _held(self, outer: int) -> PackedKV:
+        """The held message of outer step ``outer`` (its inter-node message awaited)."""
+        pending = self.inter_pending.pop(outer, None)
+        if pending is not None:
+            pending.wait()
+        return self.held.view(outer, _span(self.inbound[outer * self.order.inner_size]))
+
+    def _post_inter(self, outer: int) -> None:
+        """Post outer step ``outer``'s inter-node message: this rank's rows for its peer in node
+        ``n + outer``, and the rows of node ``n - outer``'s peer that this node reads."""
+        if outer >= self.order.outer_size:
+            return
+        rows, first = self.spec.inter_send[outer], outer * self.order.inner_size
+        send = None
+        if rows is not None:
+            assert self.own is not None  # the forward direction
+            send = self.own if rows.whole else self.inter_stage.view(0, rows.count)
+            if send is not self.own:
+                rows.gather(self.own.k, send.k)
+                rows.gather(self.own.v, send.v)
+        recv = None if self.inbound[first] is None else self.held.view(outer, _span(self.inbound[first]))
+        if send is None and recv is None:
+            return
+        assert self.spec.comm is not None  # world_size > 1 here
+        self.inter_pending[outer] = self.spec.comm.exchange_with(
+            None if send is None else send.buf, self.order.inter_peer(self.spec.rank, outer),
+            None if recv is None else recv.buf, self.order.sender(self.spec.rank, first), f"{self.kind}_inter")
+
     def post(self, step: int, message: PackedKV | None = None) -> PendingExchange | None:
-        """Post step ``step``'s exchange (None when this rank neither sends nor receives)."""
-        if step >= self.spec.world_size or (self.inbound[step] is None and self.outbound[step] is None):
+        """Post step ``step``'s exchange (None when this rank neither sends nor receives); a double
+        ring also posts the next outer step's inter-node message with the first inner step."""
+        if step >= self.spec.world_size:  # the pass's last step: inter-node sends nobody here waited for (their
+            for pending in self.inter_pending.values():  # receivers read, this node did not) are done by now
+                pending.wait()
+            self.inter_pending.clear()
+            return None
+        inner_step = self.order.inner_step(step)
+        if self.double and inner_step == 1:
+            self._post_inter(step // self.order.inner_size + 1)
+        if self.double and not inner_step:
+            return None  # its KV is the held message, posted an outer step ahead
+        if self.inbound[step] is None and self.outbound[step] is None:
             return None
         send = None
         rows = self.outbound[step]
         if rows is not None:
             send = message
-            if send is None:  # own rows, staged unless whole; the stage's last send was waited on
-                assert self.own is not None  # the forward direction always has its own shard
-                send = self.own if rows.whole else self.stage.view(step, rows.count)
-                if send is not self.own:
-                    rows.gather(self.own.k, send.k)
-                    rows.gather(self.own.v, send.v)
+            if send is None:  # rows of what this rank holds, staged unless whole; the stage's last send was waited on
+                holding = self.own if step < self.order.inner_size or not self.double else self._held(
+                    step // self.order.inner_size)
+                assert holding is not None  # the forward direction always has its own shard
+                send = holding if rows.whole else self.stage.view(step, rows.count)
+                if send is not holding:
+                    rows.gather(holding.k, send.k)
+                    rows.gather(holding.v, send.v)
         recv = self.received(step) if self.inbound[step] is not None else None
         assert self.spec.comm is not None  # world_size > 1 here
-        return self.spec.comm.exchange(None if send is None else send.buf, None if recv is None else recv.buf,
-                                       self.kind, offset=-step if self.reverse else step)
+        rank = self.spec.rank
+        to, source = self.order.reader(rank, step), self.order.sender(rank, step)
+        if self.reverse:
+            to, source = source, to
+        return self.spec.comm.exchange_with(None if send is None else send.buf, to,
+                                            None if recv is None else recv.buf, source, self.kind)
 
 
 class GatheredKV:

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from ..comm import PendingExchange, RingComm
 from ..kernels import AttentionKernel
 from ..layouts import Boundaries
-from ..schedule import BlockTask, ExchangePlan, KernelCaps, RowSet, exchange_plan
+from ..schedule import BlockTask, ExchangePlan, KernelCaps, RingOrder, RowSet, exchange_plan, row_count
 from ..schedule_cache import ScheduleCache
 from ..spans import Spans
 from .calls import CallPlan, Launch, kernel_caps
-from .rows import messages
+from .rows import MessageRows, messages
 
 
 class RingSpec:
@@ -41,7 +41,7 @@ class RingSpec:
     def __init__(self, comm: RingComm | None, layout: str, causal: bool, kernel: AttentionKernel, scale: float,
                  local_len: int, cu_seqlens: Boundaries | None = None, window: int | None = None,
                  ulysses_size: int = 1, schedules: ScheduleCache | None = None,
-                 kv_exchange: str = "ring", spans: Spans | None = None) -> None:
+                 kv_exchange: str = "ring", spans: Spans | None = None, inner_size: int | None = None) -> None:
         self.comm = comm
         self.kernel = kernel
         self.scale = scale
@@ -57,19 +57,22 @@ class RingSpec:
         planner = self.exchange_planner
         # all_gather: the KV of every step is a view of one gathered buffer (ring_sp.ring.kv_exchange)
         self.gather_kv = kv_exchange == "all_gather" and self.world_size > 1
+        # a double ring (ring_sp.schedule.ring_order): inner_size ring ranks per node; the flat ring otherwise
+        inner_size = inner_size if inner_size is not None and RingOrder(self.world_size, inner_size).double else None
         key = (layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window, caps, ulysses_size,
-               planner, spans, self.gather_kv)
+               planner, spans, self.gather_kv, inner_size)
 
         def build() -> tuple:
             return _ring_schedule(planner, layout, causal, self.rank, self.world_size, local_len, cu_seqlens, window,
-                                  caps, ulysses_size, spans, self.gather_kv)
+                                  caps, ulysses_size, spans, self.gather_kv, inner_size)
 
-        self.schedule, self.recv_rows, self.send_rows, self.calls = (build() if schedules is None
-                                                                     else schedules.get(key, build))
+        (self.schedule, self.recv_rows, self.send_rows, self.calls, self.order,
+         self.inter_send) = build() if schedules is None else schedules.get(key, build)
         # The dK/dV route (ring_sp.ring.grad_exchange), alike on every rank: partials straight
         # home along the KV's rows where documents or a window leave most rows unread, else
         # one accumulator relayed around the ring (whole shards, two fp32 buffers).
-        self.relay_dkv = window is None and cu_seqlens is None
+        # (the relay follows the flat ring's order: a double ring's partials go home directly)
+        self.relay_dkv = window is None and cu_seqlens is None and not self.order.double
         # One rank whose calls never share a query row: nothing to merge, so no fp32
         # accumulators (the Ulysses-only case; documents give one call, or one block per document).
         self.local = self.world_size == 1 and self.calls.rows_disjoint(0)
@@ -87,13 +90,15 @@ class RingSpec:
 
 def _ring_schedule(planner: Callable[..., ExchangePlan], layout: str, causal: bool, rank: int, world_size: int,
                    local_len: int, cu_seqlens: Boundaries | None, window: int | None, caps: KernelCaps,
-                   ulysses_size: int, spans: Spans | None, gather_kv: bool) -> tuple:
-    """(schedule, recv_rows, send_rows, calls) of :class:`RingSpec` (see :func:`ring_sp.schedule.exchange_plan`).
-    A message holds only rows ``recv_rows[t]`` of the sender's shard, one range after the other:
-    the blocks' key slices are moved into the message's rows. Gathered KV holds every shard
-    whole: its steps read the rows where they are."""
+                   ulysses_size: int, spans: Spans | None, gather_kv: bool, inner_size: int | None) -> tuple:
+    """(schedule, recv_rows, send_rows, calls, order, inter_send) of :class:`RingSpec` (see
+    :func:`ring_sp.schedule.exchange_plan`). A message holds only rows ``recv_rows[t]`` of the
+    sender's shard, one range after the other: the blocks' key slices are moved into the message's
+    rows. Gathered KV holds every shard whole: its steps read the rows where they are. A double
+    ring's ``send_rows`` are rows of the message held during the step's outer step."""
     plan = planner(layout, causal, rank, world_size, local_len, cu_seqlens, window, caps.bands,
-                   ulysses_size=ulysses_size, spans=spans)
+                   ulysses_size=ulysses_size, spans=spans, **({} if inner_size is None else {"inner_size": inner_size}))
+    order = plan.order if plan.order is not None else RingOrder.flat(world_size)
     recv_rows, send_rows = plan.recv_rows, plan.send_rows
     if gather_kv:
         whole = ((0, local_len),)
@@ -101,7 +106,12 @@ def _ring_schedule(planner: Callable[..., ExchangePlan], layout: str, causal: bo
         send_rows = tuple(None if rows is None else whole for rows in send_rows)
     schedule = tuple(tasks if step == 0 or not tasks else _in_message(tasks, recv_rows[step])
                      for step, tasks in enumerate(plan.schedule))
-    return schedule, messages(recv_rows, local_len), messages(send_rows, local_len), CallPlan(schedule, caps)
+    # the length of what each step's sends are cut from: the own shard, or the outer step's held message
+    held = [local_len if not order.double or t < order.inner_size else row_count(recv_rows[t - order.inner_step(t)])
+            for t in range(world_size)]
+    sends = tuple(None if rows is None else MessageRows(rows, held[t]) for t, rows in enumerate(send_rows))
+    return (schedule, messages(recv_rows, local_len), sends, CallPlan(schedule, caps), order,
+            messages(plan.inter_send, local_len))
 
 
 def _in_message(tasks: tuple[BlockTask, ...], rows: RowSet) -> tuple[BlockTask, ...]:

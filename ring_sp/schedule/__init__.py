@@ -5,7 +5,7 @@ processes. :mod:`.blocks` holds the block type and the plain layouts' steps,
 :mod:`.documents` cuts them per packed document (``cu_seqlens``), :mod:`.windows` per
 sliding window, :mod:`.spans` adds the blocks of bidirectional spans, and :mod:`.ring_pass`
 puts a rank's whole pass together (the step dispatcher, the work per rank and the
-:class:`ExchangePlan` the ring runs). :mod:`.calls` groups a step's blocks into kernel calls
+:class:`ExchangePlan` the ring runs, in the order of :mod:`.ring_order`: flat or a double ring). :mod:`.calls` groups a step's blocks into kernel calls
 for what a kernel takes, and :mod:`.pairs` counts the score pairs those calls compute against
 the pairs the mask needs.
 """
@@ -13,18 +13,22 @@ the pairs the mask needs.
 from .blocks import BlockTask, bottom_right_window, interval_blocks, ring_step_tasks
 from .calls import KernelCall, KernelCaps, step_calls
 from .documents import document_steps, document_zigzag_steps, packed_step_tasks
+from .link_rows import LINK_CLASSES, link_rows, pass_link_rows
 from .pairs import PairCount, call_pairs, mask_pairs, rank_pair_count
+from .ring_order import RingOrder
 from .ring_pass import (ExchangePlan, Rows, RowSet, causal_work_per_rank, exchange_plan, message_rows, read_rows,
-                        row_count, step_tasks)
+                        row_count, step_tasks, within)
 from .spans import span_step_tasks
 from .windows import band_blocks, window_step_tasks
 
 __all__ = [
+    "LINK_CLASSES",
     "BlockTask",
     "ExchangePlan",
     "KernelCall",
     "KernelCaps",
     "PairCount",
+    "RingOrder",
     "RowSet",
     "Rows",
     "band_blocks",
@@ -35,9 +39,11 @@ __all__ = [
     "document_zigzag_steps",
     "exchange_plan",
     "interval_blocks",
+    "link_rows",
     "mask_pairs",
     "message_rows",
     "packed_step_tasks",
+    "pass_link_rows",
     "rank_pair_count",
     "read_rows",
     "row_count",
@@ -46,4 +52,5 @@ __all__ = [
     "step_calls",
     "step_tasks",
     "window_step_tasks",
+    "within",
 ]

@@ -5,12 +5,14 @@ their upper parts' blocks (:mod:`.spans`) to whatever the causal mask gives."""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from ..layouts import DOCUMENT_LAYOUTS, Boundaries
 from ..spans import Spans
 from .blocks import BlockTask, ring_step_tasks
 from .documents import document_steps, packed_step_tasks
+from .ring_order import RingOrder
 from .spans import span_step_tasks
 from .windows import window_step_tasks
 
@@ -95,16 +97,23 @@ def message_rows(tasks: tuple[BlockTask, ...], local_len: int) -> RowSet | None:
 @dataclass(frozen=True)
 class ExchangePlan:
     """One ring rank's whole pass: the blocks of each step ``t`` (against the KV of rank
-    ``rank - t``, slices in that shard's local order) and, per step, the rows of that KV
-    shard it receives (``recv_rows``) and the rows of its own shard it sends to ``rank + t``
-    (``send_rows``; None: no message): the rows some block of the receiver reads
-    (:func:`message_rows`), with or without a window, documents or spans. A step whose
-    receiver reads nothing exchanges nothing; a batch of documents that all stay whole on
-    their ranks exchanges nothing at all. Step 0 is the own shard (``((0, n),)``)."""
+    ``order.source(rank, t)``; the flat ring's ``rank - t``; slices in that shard's local order) and,
+    per step, the rows of that KV shard it receives (``recv_rows``) and the rows it sends to
+    ``order.reader(rank, t)`` (``send_rows``; None: no message): the rows some block of the receiver
+    reads (:func:`message_rows`), with or without a window, documents or spans. A step whose
+    receiver reads nothing exchanges nothing; a batch of documents that all stay whole on their
+    ranks exchanges nothing at all. Step 0 is the own shard (``((0, n),)``).
+
+    A double ring (:class:`~.ring_order.RingOrder`, ``order.double``): ``send_rows`` are rows of the
+    shard held during the step's outer step, counted in the HELD message (its rows ``recv_rows`` of
+    that outer step's first step, which is the inter-node message); ``inter_send[o]`` the rows of
+    the own shard sent to ``order.inter_peer(rank, o)`` (what its node reads; index 0: None)."""
 
     schedule: tuple[tuple[BlockTask, ...], ...]
     recv_rows: tuple[RowSet | None, ...]
     send_rows: tuple[RowSet | None, ...]
+    order: RingOrder | None = None
+    inter_send: tuple[RowSet | None, ...] = ()
 
     @property
     def receives(self) -> tuple[bool, ...]:
@@ -117,22 +126,69 @@ class ExchangePlan:
 
 def exchange_plan(layout: str, causal: bool, rank: int, world_size: int, local_len: int,
                   cu_seqlens: Boundaries | None = None, window: int | None = None,
-                  native_window: bool = False, *, ulysses_size: int = 1, spans: Spans | None = None) -> ExchangePlan:
+                  native_window: bool = False, *, ulysses_size: int = 1, spans: Spans | None = None,
+                  inner_size: int | None = None) -> ExchangePlan:
     """The :class:`ExchangePlan` of ring rank ``rank`` (pure: every rank can compute any rank's).
-    The rows it sends at step ``t`` are those the blocks of rank ``rank + t`` read of it, so both
-    ends of every message compute its size alike. ``spans``: bidirectional spans (:mod:`.spans`)."""
-    partners = [(rank + step) % world_size for step in range(1, world_size)]
-    pairs = ([(rank, (rank - step) % world_size) for step in range(world_size)]
-             + [(partner, rank) for partner in partners])
+    The rows it sends at step ``t`` are those the blocks of their reader read of it, so both ends of
+    every message compute its size alike. ``spans``: bidirectional spans (:mod:`.spans`).
+    ``inner_size``: ring ranks per node for a double ring (:mod:`.ring_order`; None: the flat ring)."""
+    order = RingOrder(world_size, world_size if inner_size is None else inner_size)
+    steps = range(world_size)
+    inner_steps = [t for t in steps if t and order.inner_step(t)]  # steps whose KV comes inside the node
+    pairs = ([(rank, order.source(rank, t)) for t in steps]
+             + [(order.reader(rank, t), order.held(rank, t)) for t in inner_steps]
+             + [(q, rank) for outer in range(1, order.outer_size if order.double else 1)
+                for q in order.inter_readers(rank, outer)])
+    tasks = _pair_tasks(pairs, layout, causal, world_size, local_len, cu_seqlens, window, native_window,
+                        ulysses_size, spans)
+    schedule = tuple(tasks[:world_size])
+    readers = dict(zip(inner_steps, tasks[world_size:world_size + len(inner_steps)]))
+    whole: RowSet = ((0, local_len),)
+    receives: list[RowSet | None] = [whole] + [message_rows(step_tasks_, local_len) for step_tasks_ in schedule[1:]]
+    sends: list[RowSet | None] = [whole] + [None] * (world_size - 1)
+    held_rows: RowSet | None = whole  # the rows held during the current outer step (outer step 0: the own shard)
+    for t in steps[1:]:
+        if t not in readers:  # a double ring's outer step begins: the held shard's rows, what this node reads
+            held_rows = receives[t] = message_rows(schedule[t] + sum((readers.get(t + i, ()) for i in
+                                                                      range(1, order.inner_size)), ()), local_len)
+            continue
+        rows = message_rows(readers[t], local_len)
+        sends[t] = None if rows is None else within(rows, held_rows)  # type: ignore[arg-type]
+    inter = tasks[world_size + len(inner_steps):]
+    inter_send = (None,) + tuple(message_rows(sum(inter[o * order.inner_size:(o + 1) * order.inner_size], ()), local_len)
+                                 for o in range(order.outer_size - 1)) if order.double else ()
+    return ExchangePlan(schedule, tuple(receives), tuple(sends), order if order.double else None, inter_send)
+
+
+def _pair_tasks(pairs: list[tuple[int, int]], layout: str, causal: bool, world_size: int, local_len: int,
+                cu_seqlens: Boundaries | None, window: int | None, native_window: bool, ulysses_size: int,
+                spans: Spans | None) -> list[tuple[BlockTask, ...]]:
+    """The blocks of each ``(query ring rank, key ring rank)`` of ``pairs``."""
     if window is None and layout in DOCUMENT_LAYOUTS and cu_seqlens is not None:  # every pair in one build
         base = document_steps(layout, causal, pairs, world_size, local_len, cu_seqlens, ulysses_size)
-        steps = [_with_spans(tasks, layout, causal, q, kv, world_size, local_len, cu_seqlens, spans, ulysses_size)
-                 for tasks, (q, kv) in zip(base, pairs)]
-    else:
-        steps = [step_tasks(layout, causal, q, kv, world_size, local_len, cu_seqlens, ulysses_size=ulysses_size,
-                            window=window, native_window=native_window, spans=spans) for q, kv in pairs]
-    schedule, partner_steps = tuple(steps[:world_size]), steps[world_size:]
-    whole: RowSet = ((0, local_len),)
-    receives = (whole,) + tuple(message_rows(tasks, local_len) for tasks in schedule[1:])
-    sends = (whole,) + tuple(message_rows(tasks, local_len) for tasks in partner_steps)
-    return ExchangePlan(schedule, receives, sends)
+        return [_with_spans(tasks, layout, causal, q, kv, world_size, local_len, cu_seqlens, spans, ulysses_size)
+                for tasks, (q, kv) in zip(base, pairs)]
+    return [step_tasks(layout, causal, q, kv, world_size, local_len, cu_seqlens, ulysses_size=ulysses_size,
+                       window=window, native_window=native_window, spans=spans) for q, kv in pairs]
+
+
+def within(rows: RowSet, held: RowSet) -> RowSet:
+    """``rows`` of a shard counted in a message of its rows ``held`` (every range of ``rows`` lies
+    inside one of ``held``'s): where a holder finds them in what it holds."""
+    starts, at = [], 0
+    for a, b in held:
+        starts.append(at)
+        at += b - a
+    moved = []
+    for a, b in rows:
+        k = bisect.bisect_right(held, (a, float("inf"))) - 1
+        c, d = held[k]
+        assert c <= a and b <= d, (rows, held)
+        moved.append((starts[k] + a - c, starts[k] + b - c))
+    merged: list[tuple[int, int]] = []
+    for a, b in moved:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return tuple(merged)

@@ -197,3 +197,39 @@ def test_max_seq_len_says_when_host_memory_binds(capsys) -> None:
     with pytest.raises(SystemExit):
         main([*MAX_LEN, "--head-chunks", "0"])
     assert "head-chunks='0' must be a positive integer or 'auto'" in capsys.readouterr().err
+
+
+def test_the_double_ring_hides_from_an_eighth_of_the_flat_rings_tokens() -> None:
+    """Issue 45's model: 8 nodes x 8 H100, IB 400, Llama-3-8B's attention, U1 x R64 at 256K tokens
+    (4,096 per ring rank). The flat ring needs 4,945 tokens per ring rank to hide (it does not here);
+    the double ring 8 x 8 hides each inter-node message behind a whole inner pass (8 steps): from 619,
+    and each inner message over NVLink from 4945 / 9 = 550. The planner picks it, exactly where faster."""
+    eight_nodes = Cluster(world_size=64, gpus_per_node=8, flops=F, intra_bw=NVLINK, inter_bw=IB)
+    work = Workload(seq_len=262144)
+    both = plan(eight_nodes, LLAMA_8B_LIKE, work, ulysses=1, ring="auto")
+    flat = next(c for c in both.candidates if c.kv_exchange == "ring")
+    double = next(c for c in both.candidates if c.kv_exchange == "double_ring")
+    assert (flat.min_chunk_fwd, flat.min_chunk_bwd) == (4945, 5934) and not flat.hides_fwd
+    assert (double.min_chunk_fwd, double.min_chunk_bwd) == (619, 742) and double.hides_fwd and double.hides_bwd
+    assert double.min_chunk_fwd <= flat.min_chunk_fwd / 4
+    assert both.recommended.kv_exchange == "double_ring" and double.layer_s < 0.8 * flat.layer_s
+    # bytes (the most loaded rank): a shard to each of the 7 other nodes once, 8 passes x 7 inner messages on
+    # NVLink (4096 tokens x 8 KV heads x (128 + 128) x 2 bytes), the partials back in fp32; the flat ring sends
+    # 63 shards, 56 of them to other nodes
+    shard = 4096 * 8 * 256 * 2
+    assert double.bytes_fwd == {"ring_kv": 56 * shard, "ring_kv_inter": 7 * shard}
+    assert double.bytes_bwd == {"ring_kv": 56 * shard, "ring_kv_inter": 7 * shard, "ring_dkv": 112 * shard,
+                                "ring_dkv_inter": 14 * shard}
+    assert flat.bytes_fwd == {"ring_kv": 63 * shard}
+    # pinned: only that ring; a ring inside one node has no double ring to offer
+    assert {c.kv_exchange for c in plan(eight_nodes, LLAMA_8B_LIKE, work, ulysses=1, ring="double").candidates} \
+        == {"double_ring"}
+    assert {c.kv_exchange for c in plan(eight_nodes, LLAMA_8B_LIKE, work, ulysses=1).candidates} == {"ring"}
+    one_node = plan(Cluster(world_size=8, gpus_per_node=8, flops=F, intra_bw=NVLINK, inter_bw=IB), LLAMA_8B_LIKE,
+                    Workload(seq_len=65536), ring="auto")
+    assert "double_ring" not in {c.kv_exchange for c in one_node.candidates}
+    # where both hide (U8 x R8 at 256K: 32,768 tokens per ring rank) the double ring is no faster: plain is kept
+    grid = plan(eight_nodes, LLAMA_8B_LIKE, work, ulysses=4, ring="auto")
+    assert grid.recommended.kv_exchange == "ring"
+    with pytest.raises(PlanError, match="ring='triple' is not one of"):
+        plan(eight_nodes, LLAMA_8B_LIKE, work, ring="triple")

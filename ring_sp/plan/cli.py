@@ -36,7 +36,7 @@ from . import step_memory as sm
 from .layer_time import Candidate
 from .presets import DEFAULT_EFFICIENCY, DEFAULT_LATENCY_US, GPUS, LINKS
 from .request import DTYPES, Cluster, ModelShape, PlanError, Workload
-from .search import Plan, plan
+from .search import RINGS, Plan, plan
 from .training import HEAD_CHUNKS_AUTO
 
 HOST_GIB_PER_GPU = 1900 / 8  # ALST's nodes: 1.9 TB of RAM for 8 H100s (issue 30)
@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     pin.add_argument("--layout", choices=("auto", "zigzag", "striped", "contiguous"), default="auto")
     pin.add_argument("--kv-exchange", choices=KV_EXCHANGES[:3], default="auto",
                      help="the ring group's KV exchange: ring, all_gather, or auto (model both; default)")
+    pin.add_argument("--ring", choices=RINGS, default="auto",
+                     help="a ring spanning nodes: plain (one flat ring), double (an inner ring per node, "
+                          "kv_exchange='double_ring'), or auto (model both; default)")
     step = p.add_argument_group("the whole training step (with --model)")
     step.add_argument("--max-seq-len", action="store_true",
                       help="print the longest sequence whose step fits in --gpu-memory-gib, per U x R, with the breakdown")
@@ -311,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise PlanError("--seq-len is required (or --max-seq-len with --model)")
         cluster, model, work = _request(args)
         result = plan(cluster, model, work, ulysses=args.ulysses, placement=args.placement, layout=args.layout,
-                      kv_exchange=args.kv_exchange)
+                      kv_exchange=args.kv_exchange, ring=args.ring)
         step = None
         if whole is not None:
             best = result.recommended

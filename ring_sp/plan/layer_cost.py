@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schedule import exchange_plan, row_count
+from ..schedule import exchange_plan, pass_link_rows, row_count
 from ..shapes import FINGERPRINT_BYTES, kv_heads_per_rank
 from .request import dtype_bytes
 
@@ -25,10 +25,22 @@ def ring_halo_rows(layout: str, ring: int, chunk: int, window: int | None, ring_
     return sum(map(row_count, plan_.send_rows[1:])), sum(map(row_count, plan_.recv_rows[1:]))
 
 
+def double_ring_rows(layout: str, ring: int, inner_size: int, chunk: int, window: int | None, ring_rank: int,
+                     causal: bool = True) -> dict[str, int]:
+    """Rows ring rank ``ring_rank`` of a double ring sends in one pass, by kind: KV inside the node
+    and across (:func:`ring_sp.schedule.pass_link_rows`), and the partials back (the rows it read at
+    its inner steps; the held rows it summed, home)."""
+    plan_ = exchange_plan(layout, causal, ring_rank, ring, chunk, None, window, inner_size=inner_size)
+    links = pass_link_rows(plan_, ring_rank, inner_size)
+    return {"ring_kv": links["intra"], "ring_kv_inter": links["inter"],
+            "ring_dkv": sum(row_count(plan_.recv_rows[t]) for t in range(1, ring) if t % inner_size),
+            "ring_dkv_inter": sum(row_count(plan_.recv_rows[t]) for t in range(inner_size, ring, inner_size))}
+
+
 def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: int, kv_heads: int, head_dim: int,
                 dtype: str, value_head_dim: int | None = None, layout: str = "zigzag", causal: bool = True,
                 sliding_window: int | None = None, ring_rank: int | None = None,
-                kv_exchange: str = "ring") -> tuple[dict[str, int], dict[str, int]]:
+                kv_exchange: str = "ring", inner_size: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes ONE rank sends in one attention layer, forward and backward, keyed by the kinds
     :func:`ring_sp.count_communication` records (DESIGN.md section 5 as implemented).
 
@@ -51,6 +63,11 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
     forward and again in backward (``allgather_kv``), and the fp32 ``[dk; dv]`` partials of
     every shard are reduce-scattered home (``reduce_scatter_dkv``: ``R - 1`` shards), with or
     without a window.
+
+    ``kv_exchange="double_ring"`` with ``inner_size`` ring ranks per node (a ring spanning nodes):
+    forward and again in backward, the KV an inner step reads goes inside the node (``ring_kv``)
+    and each shard a node reads crosses to it once (``ring_kv_inter``); the fp32 partials go back
+    the same ways (``ring_dkv``, ``ring_dkv_inter``: :func:`double_ring_rows`).
     """
     elem, acc = dtype_bytes(dtype)
     d_v = head_dim if value_head_dim is None else value_head_dim
@@ -74,6 +91,15 @@ def layer_bytes(*, ulysses: int, ring: int, batch: int, local_len: int, heads: i
         kv_shard = batch * local_len * ulysses * m * (head_dim + d_v)
         fwd["allgather_kv"] = bwd["allgather_kv"] = (ring - 1) * kv_shard * elem
         bwd["reduce_scatter_dkv"] = (ring - 1) * kv_shard * acc
+    elif ring > 1 and kv_exchange == "double_ring" and inner_size is not None and 1 < inner_size < ring:
+        kv_row = batch * m * (head_dim + d_v)
+        counts = [double_ring_rows(layout, ring, inner_size, local_len * ulysses, window, r, causal) for r in range(ring)]
+        rows = counts[ring_rank] if ring_rank is not None else {k: max(c[k] for c in counts) for k in counts[0]}
+        for kind, size, into in (("ring_kv", elem, (fwd, bwd)), ("ring_kv_inter", elem, (fwd, bwd)),
+                                 ("ring_dkv", acc, (bwd,)), ("ring_dkv_inter", acc, (bwd,))):
+            for sent in into:
+                if rows[kind]:
+                    sent[kind] = rows[kind] * kv_row * size
     elif ring > 1:
         kv_row = batch * m * (head_dim + d_v)  # elements of one packed [k; v] token
         counts = {r: ring_halo_rows(layout, ring, local_len * ulysses, window, r, causal) for r in range(ring)}

@@ -27,13 +27,13 @@ bandwidth, a flash-attention benchmark) for real predictions.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..grid import rank_grid
-from ..nodes import grid_links
+from ..nodes import grid_links, ring_inner_size
 from ..schedule import exchange_plan, ring_step_tasks, row_count
 from ..shapes import kv_heads_per_rank
+from .double_ring_time import double_ring_seconds, min_chunk, pass_shape
 from .layer_cost import attention_memory, layer_bytes
 from .request import Cluster, ModelShape, Workload, dtype_bytes
 
@@ -73,7 +73,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return f"U={self.ulysses} x R={self.ring}{' all_gather' if self.kv_exchange == 'all_gather' else ''}"
+        exchange = {"all_gather": " all_gather", "double_ring": " double ring"}.get(self.kv_exchange, "")
+        return f"U={self.ulysses} x R={self.ring}{exchange}"
 
     @property
     def layer_s(self) -> float:
@@ -98,6 +99,7 @@ class Placement:
     ulysses_link: str
     ring_link: str
     peer_mixes: frozenset[tuple[int, int]]
+    ring_inner: int | None = None  # ring ranks per node when the ring spans nodes evenly (a double ring's inner size)
 
     @staticmethod
     def of(ulysses: int, ring: int, placement: str, cluster: Cluster) -> Placement:
@@ -109,7 +111,11 @@ class Placement:
         mixes = frozenset((at.count(mine) - 1, len(at) - at.count(mine))
                           for at in map(nodes, grid.ulysses_groups) for mine in at)
         links = grid_links(grid, cluster.gpus_per_node)  # a ring's neighbours are among its group's pairs
-        return Placement(links["ulysses"], links["ring"], mixes)
+        try:  # a double ring's inner rings: the ring ranks of one node (None: the ring cannot run as one)
+            inner: int | None = ring_inner_size(grid.ring_groups[0], cluster.gpus_per_node)
+        except ValueError:
+            inner = None
+        return Placement(links["ulysses"], links["ring"], mixes, inner if inner is not None and 1 < inner < ring else None)
 
     def a2a_seconds(self, nbytes: int, cluster: Cluster) -> float:
         """An all-to-all in which every rank sends ``nbytes`` in equal parts to its peers;
@@ -185,7 +191,8 @@ def candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Clu
     fwd_bytes, bwd_bytes = layer_bytes(ulysses=ulysses, ring=ring, batch=b, local_len=local_len, heads=model.heads,
                                        kv_heads=model.kv_heads, head_dim=d, dtype=work.dtype, layout=layout,
                                        causal=work.causal, sliding_window=window, value_head_dim=d_v,
-                                       kv_exchange=kv_exchange)
+                                       kv_exchange=kv_exchange, inner_size=Placement.of(ulysses, ring, placement,
+                                                                                        cluster).ring_inner)
     where = Placement.of(ulysses, ring, placement, cluster)
     ring_bw = cluster.inter_bw if where.ring_link == "inter" else cluster.intra_bw
     a2a_fwd, a2a_bwd = (sum(where.a2a_seconds(v, cluster) for k, v in sent.items() if k.startswith("ulysses"))
@@ -209,15 +216,23 @@ def candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Clu
     if ring > 1 and kv_exchange == "all_gather":
         ring_fwd, ring_bwd, hides_fwd, hides_bwd = _gather_ring_seconds(
             layout, work.causal, ring, chunk, window, flops_per_pair, cluster.flops, kv_s, dkv_s, cluster.latency)
-    elif ring > 1 and cluster.latency:  # every step that moves KV synchronises (and one more sends dK/dV home)
+    elif ring > 1 and cluster.latency and kv_exchange != "double_ring":  # every step that moves KV synchronises (and one more sends dK/dV home)
         moving = (ring - 1 if window is None else
                   sum(any(exchange_plan(layout, True, r, ring, chunk, None, window).receives[t] for r in range(ring))
                       for t in range(1, ring)))
         ring_fwd += moving * cluster.latency
         ring_bwd += (moving + 1) * cluster.latency
     # (rounded first: float noise must not turn an exact 4945.0 into 4946)
-    min_fwd = math.ceil(round(kv_s * chunk / hardest, 6)) if ring > 1 else 0
-    min_bwd = math.ceil(round((kv_s + dkv_s) * chunk / (BACKWARD_FLOP_RATIO * hardest), 6)) if ring > 1 else 0
+    min_fwd = min_chunk(chunk, kv_s, hardest) if ring > 1 else 0
+    min_bwd = min_chunk(chunk, kv_s + dkv_s, BACKWARD_FLOP_RATIO * hardest) if ring > 1 else 0
+    if ring > 1 and kv_exchange == "double_ring":  # the inner rings on NVLink, one held message per pass across
+        assert where.ring_inner is not None  # (search offers the double ring only where the ring spans nodes)
+        double = double_ring_seconds(pass_shape(layout, work.causal, ring, where.ring_inner, chunk, window), chunk,
+                                     flops_per_pair / cluster.flops, kv_shard * elem / cluster.intra_bw,
+                                     kv_shard * acc / cluster.intra_bw, kv_shard * elem / cluster.inter_bw,
+                                     kv_shard * acc / cluster.inter_bw, cluster.latency, BACKWARD_FLOP_RATIO)
+        ring_fwd, ring_bwd, hides_fwd, hides_bwd = double.fwd_s, double.bwd_s, double.hides_fwd, double.hides_bwd
+        min_fwd, min_bwd = double.min_chunk_fwd, double.min_chunk_bwd
 
     n_tokens = b * local_len
     layer_act = LAYER_ACTIVATION_BYTES_PER_TOKEN_HIDDEN * n_tokens * model.hidden * elem / 2
@@ -237,6 +252,9 @@ def candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Clu
         notes.append("causal work unbalanced (~2x)")
     if ring > 1 and kv_exchange == "all_gather":
         notes.append(f"KV all-gathered: {ring} KV shards held in backward")
+    elif ring > 1 and kv_exchange == "double_ring" and where.ring_inner is not None:
+        notes.append(f"double ring {ring // where.ring_inner} x {where.ring_inner}: each shard crosses to every other "
+                     f"node once")
     elif window is not None and ring > 1:
         notes.append(f"sliding window {window}: {fwd_bytes.get('ring_kv', 0) / (kv_shard * elem):.2f} KV shards "
                      f"sent instead of {ring - 1}")

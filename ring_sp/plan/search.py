@@ -51,11 +51,25 @@ def _layout_for(layout: str, causal: bool, ulysses: int, ring: int, seq_len: int
     return layout
 
 
+RINGS = ("plain", "double", "auto")
+
+
+def _ring_exchanges(exchanges: tuple[str, ...], ring: str, where: Placement) -> tuple[str, ...]:
+    """The exchanges to model for a grid: the double ring in place of (``ring="double"``) or beside
+    (``"auto"``) the flat ring's where that ring spans nodes evenly; elsewhere a double ring is the flat one."""
+    if ring == "plain" or "ring" not in exchanges or where.ring_inner is None:
+        return exchanges
+    double = tuple("double_ring" if x == "ring" else x for x in exchanges)
+    return double if ring == "double" else exchanges + ("double_ring",)
+
+
 def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | None = None,
-         placement: str | None = None, layout: str = "auto", kv_exchange: str = "ring") -> Plan:
+         placement: str | None = None, layout: str = "auto", kv_exchange: str = "ring", ring: str = "plain") -> Plan:
     """Every runnable ``U x R`` (``ulysses`` / ``placement`` pin them), modelled, fastest first;
     ``kv_exchange``: the ring group's exchange, "ring" (default here), "all_gather", or "auto"
-    (both, as candidates of their own; the ``ring-sp plan`` CLI's default).
+    (both, as candidates of their own; the ``ring-sp plan`` CLI's default). ``ring``: where a ring
+    spans nodes, run it flat ("plain", default here), as a double ring ("double":
+    ``kv_exchange="double_ring"``) or both as candidates of their own ("auto", the CLI's default).
 
     Raises :class:`PlanError` naming the problem when nothing can run.
     """
@@ -87,6 +101,8 @@ def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | 
     if kv_exchange not in KV_EXCHANGES[:3]:  # (the double ring is chosen by --ring)
         raise PlanError(f"kv-exchange={kv_exchange!r} is not one of {KV_EXCHANGES[:3]}")
     exchanges = ("ring", "all_gather") if kv_exchange == "auto" else (kv_exchange,)
+    if ring not in RINGS:
+        raise PlanError(f"ring={ring!r} is not one of {RINGS}")
     if placement is not None and placement not in PLACEMENTS:
         raise PlanError(f"placement={placement!r} is not one of {PLACEMENTS}")
     if ulysses is not None:
@@ -116,7 +132,8 @@ def plan(cluster: Cluster, model: ModelShape, work: Workload, *, ulysses: int | 
         if layout == "auto" and work.sliding_window is not None and r > 1 and chosen != ["contiguous"]:
             chosen.append("contiguous")  # a window balances causal work by itself: contiguous may win on bytes
         options = [candidate(u, r, p, lay, cluster, model, work, sp, x) for lay in chosen for p in ([placement] if placement
-                   else PLACEMENTS if u > 1 and r > 1 else ["ulysses_inner"]) for x in (exchanges if r > 1 else ("ring",))]
+                   else PLACEMENTS if u > 1 and r > 1 else ["ulysses_inner"])
+                   for x in (_ring_exchanges(exchanges, ring, Placement.of(u, r, p, cluster)) if r > 1 else ("ring",))]
         # placements that put every group on the same links (one node, say) are one candidate: the default
         same = [(c.layout, c.kv_exchange, c.ulysses_link, c.ring_link, c.layer_s) for c in options]
         candidates += [c for i, c in enumerate(options) if same[i] not in same[:i]]

@@ -1,14 +1,15 @@
-"""Issue 45 (items 3-4): the examples on two nodes, emulated on this machine, and a lost node.
+"""Issue 45 (items 2-4): the examples on two nodes, emulated on this machine, and a lost node.
 
 Two launches of an example's ``.sh`` with ``--nnodes 2 --node-rank 0/1 --master-addr 127.0.0.1
 --master-port P`` (``examples/common/nodes.sh``), 2 CPU ranks each: the launchers rendezvous on
 localhost as two nodes would (each exports its ranks per node; ring_sp's topology reads it), and
 at U2 x R2 the Ulysses groups stay inside a "node" while the ring spans both. The default suite
-runs the DeepSpeed GPT example once on one node and once on two (DeepSpeed's launcher, one per
-node without ssh): the per-step losses must be equal (1e-6). Under ``-m slow``: torchrun, the HF
-Trainer example, and a lost node (every process of node 1 killed with SIGKILL after a checkpoint:
-node 0's ranks stop with an error naming ranks 2 and 3, and both nodes started again resume to
-a checkpoint bitwise equal to the uninterrupted run's).
+runs the DeepSpeed GPT example once on one node (U2 x R2) and once on two (DeepSpeed's launcher,
+one per node without ssh) at U1 x R4 with ``--kv-exchange double_ring`` (a double ring of 2 x 2):
+the per-step losses must be equal (1e-6). Under ``-m slow``: the flat ring across the nodes,
+torchrun, the HF Trainer example (flat and double ring), and a lost node (every process of node 1
+killed with SIGKILL after a checkpoint: node 0's ranks stop with an error naming ranks 2 and 3,
+and both nodes started again resume to a checkpoint bitwise equal to the uninterrupted run's).
 """
 
 from __future__ import annotations
@@ -134,9 +135,21 @@ def test_gpt_on_one_node_trains_and_saves(one_node_gpt: tuple[list[dict], Path])
     assert (folder / "latest").read_text() == "global_step6"
 
 
+# U1 x R4 over two nodes of 2 ranks: a double ring of 2 x 2 (inner rings of the two ranks of each node)
+DOUBLE_RING = [*GPT_TINY, "--ulysses-size", "1", "--ring-size", "4", "--kv-exchange", "double_ring"]
+
+
 @needs_deepspeed
 def test_gpt_on_two_nodes_equals_one_node(one_node_gpt: tuple[list[dict], Path], tmp_path: Path) -> None:
-    """Two emulated nodes of 2 ranks (DeepSpeed's launcher on each, --no_ssh): the one-node run's losses."""
+    """Two emulated nodes of 2 ranks (DeepSpeed's launcher on each, --no_ssh), the ring over both as a double
+    ring (issue 45 item 2): the one-node U2 x R2 run's losses."""
+    assert_same_losses(run_nodes(GPT, *DOUBLE_RING, "--steps", "6", folder=tmp_path), one_node_gpt[0])
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_gpt_on_two_nodes_plain_ring_equals_one_node(one_node_gpt: tuple[list[dict], Path], tmp_path: Path) -> None:
+    """The same grid as the one-node run (U2 x R2: each ring's two ranks on two nodes), the flat ring."""
     assert_same_losses(run_nodes(GPT, *GPT_GRID, "--steps", "6", folder=tmp_path), one_node_gpt[0])
 
 
@@ -153,6 +166,9 @@ def test_trainer_on_two_nodes_equals_one_node(tmp_path: Path) -> None:
     args = [*TRAINER_TINY, "--ulysses-size", "2", "--ring-size", "2", "--steps", "4"]
     one = run_one_node(TRAINER, *args, "--output-dir", str(tmp_path / "one"))
     assert_same_losses(run_nodes(TRAINER, *args, "--output-dir", str(tmp_path / "two"), folder=tmp_path / "logs"), one)
+    double = [*TRAINER_TINY, "--ulysses-size", "1", "--ring-size", "4", "--kv-exchange", "double_ring", "--steps", "4"]
+    assert_same_losses(run_nodes(TRAINER, *double, "--output-dir", str(tmp_path / "double"),
+                                 folder=tmp_path / "double_logs"), one)
 
 
 MEGATRON = Path(__file__).resolve().parents[1] / "examples" / "megatron" / "pretrain_gpt.sh"

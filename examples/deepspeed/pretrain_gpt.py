@@ -73,6 +73,7 @@ from ring_sp.data import shard_positions_error  # noqa: E402
 from ring_sp.nodes import describe_links  # noqa: E402
 from ring_sp.offload import OffloadedCheckpoint  # noqa: E402
 from ring_sp.tiling import check_tile_tokens, tile_linear, tiled_linear_cross_entropy, tiled_map  # noqa: E402
+from ring_sp.validation import KV_EXCHANGES  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("ds_config.json")
 
@@ -179,10 +180,11 @@ class GPT(nn.Module):
 
     With ``topology`` the attention is ``SequenceParallelAttention(topology, causal=True)``
     and the inputs are this rank's shard (``position_ids`` global); without, a plain model.
+    ``kv_exchange``: how its ring groups exchange KV (the config section's).
     """
 
     def __init__(self, cfg: GPTConfig, topology: ring_sp.SequenceParallelTopology | None = None,
-                 *, layout: str = "zigzag", backend: str = "auto") -> None:
+                 *, layout: str = "zigzag", backend: str = "auto", kv_exchange: str = "ring") -> None:
         super().__init__()
         if cfg.d_model % cfg.n_head or cfg.n_head % cfg.n_kv_head or cfg.head_dim % 2:
             raise ValueError(f"need d_model % n_head == 0, n_head % n_kv_head == 0 and an even head_dim; got {cfg}")
@@ -190,7 +192,8 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(
             Block(cfg, None if topology is None else
-                  ring_sp.SequenceParallelAttention(topology, causal=True, layout=layout, backend=backend))
+                  ring_sp.SequenceParallelAttention(topology, causal=True, layout=layout, backend=backend,
+                                                    kv_exchange=kv_exchange))
             for _ in range(cfg.n_layer)
         )
         self.ln_f = nn.LayerNorm(cfg.d_model)
@@ -293,6 +296,9 @@ def common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--ring-size", type=int, help="override ring_sp.ring_size of the config")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="override zero_optimization.stage")
     p.add_argument("--layout", choices=list(ring_sp.LAYOUT_CHOICES), help="override ring_sp.layout of the config")
+    p.add_argument("--kv-exchange", choices=list(KV_EXCHANGES),
+                   help="override ring_sp.kv_exchange of the config (double_ring: a ring spanning nodes runs as an "
+                        "inner ring per node, each KV shard crossing to every other node once)")
     p.add_argument("--pack-documents", action="store_true",
                    help="pack whole documents per row, attention inside each (the layout then defaults to auto: "
                         "short documents whole on a rank, long ones cut, chosen per batch)")
@@ -343,7 +349,7 @@ def ds_config_from_args(args: argparse.Namespace) -> dict:
     """The JSON config with the command line's overrides applied."""
     config = rsp_ds.load_config(args.deepspeed_config)
     section = config.setdefault(rsp_ds.SECTION, {})
-    for key in ("ulysses_size", "ring_size", "layout"):
+    for key in ("ulysses_size", "ring_size", "layout", "kv_exchange"):
         if getattr(args, key) is not None:
             section[key] = getattr(args, key)
     if getattr(args, "pack_documents", False) and args.layout is None:
@@ -466,7 +472,8 @@ def main(argv: list[str] | None = None) -> None:
     topology = rsp_ds.build_topology(ds_config)  # before the model: its attention needs the groups
     layout = "zigzag" if sp_config is None else sp_config.layout
     cfg = GPTConfig(d_model=args.d_model, n_layer=args.layers, n_head=args.heads, n_kv_head=args.kv_heads)
-    model = GPT(cfg, topology, layout=layout, backend="auto" if sp_config is None else sp_config.backend)
+    model = GPT(cfg, topology, layout=layout, backend="auto" if sp_config is None else sp_config.backend,
+                kv_exchange="ring" if sp_config is None else sp_config.kv_exchange)
     model.checkpointing = args.checkpoint_activations  # before initialize, which applies the section's tiling
     fault = fault_from_env()  # the tests' injected kill (tests/test_resume.py); None otherwise
     if fault is not None:

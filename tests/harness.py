@@ -89,18 +89,21 @@ def release_groups(keep: set) -> None:
         gc.collect()
 
 
-# Modules whose globals keep process groups for later calls (the next case may reuse them)
-GROUP_CACHES = ("deepspeed.utils.groups", "deepspeed.comm.comm", "megatron.core.parallel_state")
+# Modules whose globals keep process groups for later calls (the next case may reuse them): the
+# frameworks', and the benchmarks' rank blocks (python -m benchmarks runs its cases on these pools)
+GROUP_CACHES = ("deepspeed.utils.groups", "deepspeed.comm.comm", "megatron.core.parallel_state", "benchmarks.launch")
+# (module, global) of the topology caches later cases reuse: the tests' and the benchmarks'
+TOPOLOGY_CACHES = (("dist_cases", "_TOPOLOGIES"), ("benchmarks.modes", "_topologies"))
 
 
 def _cached_groups() -> set:
-    """The groups later cases may reuse: the topologies ``dist_cases.topology`` keeps, and those the
-    frameworks keep in module globals (DeepSpeed's ZeRO groups, Megatron's parallel state)."""
+    """The groups later cases may reuse: the topologies ``dist_cases.topology`` and the benchmarks
+    keep, and those kept in module globals (DeepSpeed's ZeRO groups, Megatron's parallel state)."""
     import torch.distributed as dist
 
-    cases = sys.modules.get("dist_cases")
-    kept = {getattr(topo, f"{kind}_group") for topo in getattr(cases, "_TOPOLOGIES", {}).values()
-            for kind in ("sp", "ulysses", "ring", "dp", "dp_sp")}
+    topologies = [topo for module, name in TOPOLOGY_CACHES
+                  for topo in getattr(sys.modules.get(module), name, {}).values()]
+    kept = {getattr(topo, f"{kind}_group") for topo in topologies for kind in ("sp", "ulysses", "ring", "dp", "dp_sp")}
     for name in GROUP_CACHES:
         for value in vars(sys.modules[name]).values() if name in sys.modules else ():
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)

@@ -78,3 +78,25 @@ def test_the_guard_fails_leaked_pools_and_threads_naming_the_file(tmp_path: Path
     ranks = [line for line in report.splitlines() if "is alive after the session" in line]
     assert len(ranks) == 2 and all("first alive after a test of test_leaks_a_pool.py" in line for line in ranks), report
     assert "3 passed" in report  # the tests themselves pass: the session fails for what they left
+
+
+def benchmark_topology_call() -> int:
+    """A benchmarks' mode on the topology ``benchmarks.modes`` caches: its groups must outlive the case."""
+    import torch
+    import torch.distributed as dist
+
+    import ring_sp
+    from benchmarks.modes import topology
+
+    topo = topology(dist.group.WORLD, 1, 2)
+    q = torch.randn(1, 4, 2, 8)
+    return ring_sp.hybrid_attention(q, q, q, topology=topo, causal=True).shape[1]
+
+
+def test_the_pools_keep_the_groups_of_the_benchmarks_topologies(pools) -> None:
+    """``python -m benchmarks`` runs its cases on these pools and reuses the topologies it cached in
+    earlier cases: the pools' ranks destroy a case's groups after it, except those (it once did not,
+    and the second case failed on a destroyed group)."""
+    pool = pools.get(2)
+    assert pool.run(benchmark_topology_call) == [4, 4]
+    assert pool.run(benchmark_topology_call) == [4, 4]

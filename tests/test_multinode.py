@@ -9,7 +9,8 @@ one per node without ssh) at U1 x R4 with ``--kv-exchange double_ring`` (a doubl
 the per-step losses must be equal (1e-6). Under ``-m slow``: the flat ring across the nodes,
 torchrun, the HF Trainer example (flat and double ring), and a lost node (every process of node 1
 killed with SIGKILL after a checkpoint: node 0's ranks stop with an error naming ranks 2 and 3,
-and both nodes started again resume to a checkpoint bitwise equal to the uninterrupted run's).
+and both nodes started again resume to a checkpoint bitwise equal to the uninterrupted run's),
+and torchrun's elastic restart (a killed rank; a lost node that rejoins), bitwise as well.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -248,6 +250,55 @@ def test_gpt_lost_node_resumes_bitwise(tmp_path: Path, launcher: str) -> None:
     assert_same_losses(resumed, whole[2:])
     compared = assert_bitwise_equal(run / "global_step4", tmp_path / "whole" / "global_step4", "*.pt")
     print(f"{launcher}: node 0 stopped {seconds:.1f} s after node 1 was killed; {compared} tensors bitwise equal")
+
+
+def wait_until(condition, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def listening(port: str) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", int(port))) == 0
+
+
+@pytest.mark.slow
+@needs_deepspeed
+@pytest.mark.parametrize("lost", ["rank", "node"])
+def test_gpt_elastic_restart_resumes_bitwise(tmp_path: Path, lost: str) -> None:
+    """torchrun's elastic restart (``--max-restarts 1``: the c10d rendezvous) on two emulated nodes, with
+    --auto-resume and a checkpoint every 2 steps. ``rank``: rank 2 killed with SIGKILL in step 3: both
+    agents restart every rank. ``node``: node 1's every process killed in step 3: node 0's agent restarts
+    its ranks and waits; node 1 started again rejoins. Either way the ranks resume from the step-2
+    checkpoint and end bitwise equal to a run never stopped."""
+    common = [*GPT_GRID, "--steps", "4", "--timeout-s", "60"]
+    whole = run_one_node(GPT, *common, "--save", str(tmp_path / "whole"), launcher="torchrun")
+    run, port = tmp_path / "run", str(_free_port())
+    elastic = [*common, "--save", str(run), "--save-interval", "2", "--auto-resume", "--max-restarts", "1"]
+    # node 0 first: the node at --master-addr hosts the rendezvous store (here both nodes are that address)
+    nodes = [start_node(GPT, *elastic, node=0, port=port, folder=tmp_path / "logs", launcher="torchrun")]
+    try:
+        wait_until(lambda: listening(port), "node 0's rendezvous store")
+        nodes.append(start_node(GPT, *elastic, node=1, port=port, folder=tmp_path / "logs", launcher="torchrun",
+                                fault="kill:2:3" if lost == "rank" else "stop:2:3"))
+        if lost == "node":
+            lose_node_one(nodes, 2)
+            wait_until(lambda: "lost rank 2" in nodes[0].stderr.read_text(), "node 0's ranks to stop")
+            nodes[1] = start_node(GPT, *elastic, node=1, port=port, folder=tmp_path / "rejoined", launcher="torchrun")
+        results = [node.wait(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.kill()
+    for returncode, _, stderr in results:
+        assert returncode == 0, stderr[-4000:]
+    assert results[0][2].count("GPT 0.03M parameters") == 2, results[0][2][-3000:]  # node 0's ranks ran twice
+    assert_same_losses(results[0][1], whole)  # steps 1-2, then 3-4 after the restart
+    assert [r["step"] for r in results[0][1]] == [1, 2, 3, 4]
+    compared = assert_bitwise_equal(run / "global_step4", tmp_path / "whole" / "global_step4", "*.pt")
+    print(f"elastic ({lost}): {compared} tensors bitwise equal")
 
 
 def assert_trainer_checkpoints_equal(got: Path, want: Path, ddp: bool) -> int:

@@ -162,9 +162,10 @@ class Fault:
 
 
 def fault_from_env() -> Fault | None:
-    """This rank's fault from ``RING_SP_EXAMPLE_FAULT=KIND:RANK:STEP``, or None."""
+    """This rank's fault from ``RING_SP_EXAMPLE_FAULT=KIND:RANK:STEP``, or None. Injected once per
+    launch: the workers torchrun restarts (``--max-restarts``; ``TORCHELASTIC_RESTART_COUNT`` > 0) run clean."""
     spec = os.environ.get(FAULT_ENV)
-    if not spec:
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return None
     kind, rank, step = spec.split(":")
     return Fault(kind, int(step)) if int(rank) == dist.get_rank() else None

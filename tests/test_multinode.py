@@ -264,29 +264,22 @@ def listening(port: str) -> bool:
         return probe.connect_ex(("127.0.0.1", int(port))) == 0
 
 
-@pytest.mark.slow
-@needs_deepspeed
-@pytest.mark.parametrize("lost", ["rank", "node"])
-def test_gpt_elastic_restart_resumes_bitwise(tmp_path: Path, lost: str) -> None:
-    """torchrun's elastic restart (``--max-restarts 1``: the c10d rendezvous) on two emulated nodes, with
-    --auto-resume and a checkpoint every 2 steps. ``rank``: rank 2 killed with SIGKILL in step 3: both
-    agents restart every rank. ``node``: node 1's every process killed in step 3: node 0's agent restarts
-    its ranks and waits; node 1 started again rejoins. Either way the ranks resume from the step-2
-    checkpoint and end bitwise equal to a run never stopped."""
-    common = [*GPT_GRID, "--steps", "4", "--timeout-s", "60"]
-    whole = run_one_node(GPT, *common, "--save", str(tmp_path / "whole"), launcher="torchrun")
-    run, port = tmp_path / "run", str(_free_port())
-    elastic = [*common, "--save", str(run), "--save-interval", "2", "--auto-resume", "--max-restarts", "1"]
+def run_elastic(script: Path, args: list[str], folder: Path, lost: str) -> list[tuple[int, list[dict], str]]:
+    """``script *args --max-restarts 1`` on two emulated nodes under torchrun's c10d rendezvous; ``lost``:
+    ``rank`` (rank 2 killed with SIGKILL in step 3) or ``node`` (node 1's every process killed in step 3,
+    then node 1 started again). Each node's (returncode, JSON lines, stderr)."""
+    port = str(_free_port())
+    elastic = [*args, "--max-restarts", "1"]
     # node 0 first: the node at --master-addr hosts the rendezvous store (here both nodes are that address)
-    nodes = [start_node(GPT, *elastic, node=0, port=port, folder=tmp_path / "logs", launcher="torchrun")]
+    nodes = [start_node(script, *elastic, node=0, port=port, folder=folder, launcher="torchrun")]
     try:
         wait_until(lambda: listening(port), "node 0's rendezvous store")
-        nodes.append(start_node(GPT, *elastic, node=1, port=port, folder=tmp_path / "logs", launcher="torchrun",
+        nodes.append(start_node(script, *elastic, node=1, port=port, folder=folder, launcher="torchrun",
                                 fault="kill:2:3" if lost == "rank" else "stop:2:3"))
         if lost == "node":
             lose_node_one(nodes, 2)
             wait_until(lambda: "lost rank 2" in nodes[0].stderr.read_text(), "node 0's ranks to stop")
-            nodes[1] = start_node(GPT, *elastic, node=1, port=port, folder=tmp_path / "rejoined", launcher="torchrun")
+            nodes[1] = start_node(script, *elastic, node=1, port=port, folder=folder / "rejoined", launcher="torchrun")
         results = [node.wait(timeout=300) for node in nodes]
     finally:
         for node in nodes:
@@ -294,11 +287,42 @@ def test_gpt_elastic_restart_resumes_bitwise(tmp_path: Path, lost: str) -> None:
                 node.kill()
     for returncode, _, stderr in results:
         assert returncode == 0, stderr[-4000:]
+    return results
+
+
+@pytest.mark.slow
+@needs_deepspeed
+@pytest.mark.parametrize("lost", ["rank", "node"])
+def test_gpt_elastic_restart_resumes_bitwise(tmp_path: Path, lost: str) -> None:
+    """torchrun's elastic restart (``--max-restarts 1``: the c10d rendezvous) on two emulated nodes, with
+    --auto-resume and a checkpoint every 2 steps. ``rank``: both agents restart every rank. ``node``: node
+    0's agent restarts its ranks and waits; node 1 started again rejoins. Either way the ranks resume from
+    the step-2 checkpoint and end bitwise equal to a run never stopped."""
+    common = [*GPT_GRID, "--steps", "4", "--timeout-s", "60"]
+    whole = run_one_node(GPT, *common, "--save", str(tmp_path / "whole"), launcher="torchrun")
+    run = tmp_path / "run"
+    results = run_elastic(GPT, [*common, "--save", str(run), "--save-interval", "2", "--auto-resume"],
+                          tmp_path / "logs", lost)
     assert results[0][2].count("GPT 0.03M parameters") == 2, results[0][2][-3000:]  # node 0's ranks ran twice
-    assert_same_losses(results[0][1], whole)  # steps 1-2, then 3-4 after the restart
     assert [r["step"] for r in results[0][1]] == [1, 2, 3, 4]
+    assert_same_losses(results[0][1], whole)  # steps 1-2, then 3-4 after the restart
     compared = assert_bitwise_equal(run / "global_step4", tmp_path / "whole" / "global_step4", "*.pt")
     print(f"elastic ({lost}): {compared} tensors bitwise equal")
+
+
+@pytest.mark.slow
+@needs_hf
+def test_trainer_ddp_elastic_restart_resumes_bitwise(tmp_path: Path) -> None:
+    """The Trainer example under DDP (``--ddp``), U2 x R2 over two nodes, torchrun's elastic restart after
+    rank 2 is killed in step 3, ``--auto-resume``: bitwise as a run never stopped."""
+    common = [*TRAINER_TINY, "--ulysses-size", "2", "--ring-size", "2", "--steps", "4", "--save-steps", "2", "--ddp"]
+    whole = run_one_node(TRAINER, *common, "--output-dir", str(tmp_path / "whole"))
+    run = tmp_path / "run"
+    results = run_elastic(TRAINER, [*common, "--output-dir", str(run), "--auto-resume"], tmp_path / "logs", "rank")
+    assert [r["step"] for r in results[0][1] if "loss" in r] == [1, 2, 3, 4]
+    assert_same_losses(results[0][1], whole)
+    compared = assert_trainer_checkpoints_equal(run / "checkpoint-4", tmp_path / "whole" / "checkpoint-4", True)
+    print(f"trainer (ddp, elastic): {compared} tensors bitwise equal")
 
 
 def assert_trainer_checkpoints_equal(got: Path, want: Path, ddp: bool) -> int:

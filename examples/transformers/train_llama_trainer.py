@@ -53,6 +53,7 @@ from examples.transformers.pretrain_llama import llama_config  # noqa: E402  (th
 from ring_sp.nodes import describe_links  # noqa: E402
 from ring_sp.integrations.transformers.trainer import (SequenceParallelTrainer,  # noqa: E402  # ring_sp
                                                        prepare_sequence_parallel)
+from ring_sp.integrations.transformers.trainer_setup import newest_complete_checkpoint  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("trainer_ds_config.json")
 
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-steps", type=int, default=0, help="a Trainer checkpoint (DeepSpeed state) every N steps; 0: none")
     p.add_argument("--resume", nargs="?", const=True, metavar="CHECKPOINT",
                    help="resume_from_checkpoint: alone, the newest complete checkpoint-N of --output-dir; or that folder")
+    p.add_argument("--auto-resume", action="store_true",
+                   help="resume from the newest complete checkpoint of --output-dir when it has one, else start "
+                        "(the same command after a failure: torchrun --max-restarts, a scheduler's requeue)")
     p.add_argument("--eval-steps", type=int, default=0,
                    help="evaluate on --eval-samples held-out samples every N steps (eval_strategy='steps'): the exact "
                         "eval loss; 0: never")
@@ -200,7 +204,10 @@ def main(argv: list[str] | None = None) -> None:
             "save checkpoints with --save-steps K to resume after such a loss")
     with LostRanks(hint) as lost:
         trainer.add_callback(StepWatch(lost.at_step))
-        trainer.train(resume_from_checkpoint=args.resume)
+        resume = args.resume
+        if args.auto_resume and resume is None:
+            resume = newest_complete_checkpoint(args.output_dir)
+        trainer.train(resume_from_checkpoint=resume)
     if args.save:
         trainer.save_model()
 

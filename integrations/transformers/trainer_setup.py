@@ -242,6 +242,22 @@ def mark_checkpoint_complete(folder: str, step: int) -> None:
         write_file_atomically(os.path.join(folder, COMPLETE_MARKER), f"{step}\n")
 
 
+def _checkpoint_folders(output_dir: str) -> list[str]:
+    """``checkpoint-N`` folders of ``output_dir``, newest first."""
+    pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = [(int(m.group(1)), name) for name in names if (m := pattern.match(name))]
+    return [name for _, name in sorted(steps, reverse=True)]
+
+
+def newest_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest ``checkpoint-N`` of ``output_dir`` holding :data:`COMPLETE_MARKER`, or None (none yet)."""
+    for name in _checkpoint_folders(output_dir):
+        if os.path.isfile(os.path.join(output_dir, name, COMPLETE_MARKER)):
+            return os.path.join(output_dir, name)
+    return None
+
+
 def complete_checkpoint(output_dir: str, resume: str | bool | None) -> str | None:
     """``resume_from_checkpoint`` as the Trainer should take it: never a half-written folder.
 
@@ -252,14 +268,11 @@ def complete_checkpoint(output_dir: str, resume: str | bool | None) -> str | Non
     if resume is None or resume is False:
         return None
     if resume is True:
-        pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
-        names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-        steps = sorted(((int(m.group(1)), name) for name in names if (m := pattern.match(name))), reverse=True)
-        for _, name in steps:
-            if os.path.isfile(os.path.join(output_dir, name, COMPLETE_MARKER)):
-                return os.path.join(output_dir, name)
-        raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {output_dir!r} (folders: "
-                         f"{[name for _, name in steps]}; complete ones hold {COMPLETE_MARKER!r}, written last)")
+        newest = newest_complete_checkpoint(output_dir)
+        if newest is None:
+            raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {output_dir!r} (folders: "
+                             f"{_checkpoint_folders(output_dir)}; complete ones hold {COMPLETE_MARKER!r}, written last)")
+        return newest
     if not os.path.isfile(os.path.join(resume, COMPLETE_MARKER)):
         raise ValueError(
             f"resume_from_checkpoint={resume!r} has no {COMPLETE_MARKER!r}: the run stopped while writing it, or it "
@@ -269,5 +282,5 @@ def complete_checkpoint(output_dir: str, resume: str | bool | None) -> str | Non
 
 
 __all__ = ["COMPLETE_MARKER", "SETTINGS_ATTR", "SequenceParallelCollator", "complete_checkpoint",
-           "mark_checkpoint_complete", "prepare_sequence_parallel", "registered_topology_for", "ring_sp_settings",
+           "mark_checkpoint_complete", "newest_complete_checkpoint", "prepare_sequence_parallel", "registered_topology_for", "ring_sp_settings",
            "routed_deepspeed_initialize", "section_hidden_from_accelerate", "unshard"]

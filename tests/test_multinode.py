@@ -87,11 +87,8 @@ def start_nodes(script: Path, *args: str, folder: Path, nnodes: int = 2, launche
                        fault=fault) for node in range(nnodes)]
 
 
-def run_nodes(script: Path, *args: str, folder: Path, launcher: str = "deepspeed", timeout: float = 300,
-              links: bool = True) -> list[dict]:
-    """Two emulated nodes to the end: both succeed; node 0's JSON lines (rank 0 logs). ``links``: the
-    script logs its topology's links (the ring crosses the nodes)."""
-    nodes = start_nodes(script, *args, folder=folder, launcher=launcher)
+def wait_all(nodes: list[Node], timeout: float = 300) -> list[tuple[int, list[dict[str, Any]], str]]:
+    """Every node to its end (any left when one fails or times out is killed); each must succeed."""
     try:
         results = [node.wait(timeout) for node in nodes]
     finally:
@@ -100,6 +97,14 @@ def run_nodes(script: Path, *args: str, folder: Path, launcher: str = "deepspeed
                 node.kill()
     for returncode, _, stderr in results:
         assert returncode == 0, stderr[-4000:]
+    return results
+
+
+def run_nodes(script: Path, *args: str, folder: Path, launcher: str = "deepspeed", timeout: float = 300,
+              links: bool = True) -> list[dict]:
+    """Two emulated nodes to the end: both succeed; node 0's JSON lines (rank 0 logs). ``links``: the
+    script logs its topology's links (the ring crosses the nodes)."""
+    results = wait_all(start_nodes(script, *args, folder=folder, launcher=launcher), timeout)
     assert not links or ("'ring': 'inter'" in results[0][2] and "(nodes of 2 ranks)" in results[0][2]), results[0][2][-2000:]
     return results[0][1]
 
@@ -280,14 +285,12 @@ def run_elastic(script: Path, args: list[str], folder: Path, lost: str) -> list[
             lose_node_one(nodes, 2)
             wait_until(lambda: "lost rank 2" in nodes[0].stderr.read_text(), "node 0's ranks to stop")
             nodes[1] = start_node(script, *elastic, node=1, port=port, folder=folder / "rejoined", launcher="torchrun")
-        results = [node.wait(timeout=300) for node in nodes]
-    finally:
+    except BaseException:
         for node in nodes:
             if node.proc.poll() is None:
                 node.kill()
-    for returncode, _, stderr in results:
-        assert returncode == 0, stderr[-4000:]
-    return results
+        raise
+    return wait_all(nodes)
 
 
 @pytest.mark.slow

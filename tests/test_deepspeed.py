@@ -56,7 +56,7 @@ def test_section_absent_or_disabled_is_none() -> None:
     ({"placement": "outer"}, ValueError, r"ring_sp\.placement='outer' is not one of"),
     ({"backend": "flash"}, ValueError, r"ring_sp\.backend='flash' is not one of " + re.escape(str(list(BACKENDS)))),
     ({"enabled": "yes"}, TypeError, r"ring_sp\.enabled must be true or false"),
-    ({"kv_exchange": "allgather"}, ValueError, r"ring_sp\.kv_exchange='allgather' is not one of \['ring', 'all_gather', 'auto'\]"),
+    ({"kv_exchange": "allgather"}, ValueError, r"ring_sp\.kv_exchange='allgather' is not one of \['ring', 'all_gather', 'auto', 'double_ring'\]"),
     ({"layout": "striped", "ulysses_size": 2, "ring_size": 2}, ValueError, r"ring_sp\.layout='striped' cannot .* use layout 'zigzag'"),
     ([2, 2], TypeError, r'the "ring_sp" section must be a JSON object'),
 ])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -77,7 +78,17 @@ class PendingExchange:
 
 class RingComm:
     """Exchange on a ring: send to rank + offset, receive from rank - offset (group ranks;
-    offset 1 is the neighbour exchange)."""
+    offset 1 is the neighbour exchange). :meth:`of` hands out one per group."""
+
+    @staticmethod
+    def of(group: dist.ProcessGroup | None) -> RingComm:
+        """The ring over ``group`` (None: the default group), made once per group: every attention
+        call and every decoded token would otherwise look up the group's global ranks again."""
+        whole = group if group is not None else dist.group.WORLD
+        comm = _comms.get(whole)
+        if comm is None:
+            comm = _comms[whole] = RingComm(group)
+        return comm
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -120,6 +131,10 @@ class RingComm:
         _record(kind, _nbytes(input) * (self.world_size - 1) // self.world_size)
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # (the name before 2.13)
         scatter(output, input, group=self.group)
+
+
+# group -> its RingComm; an entry goes when its group is garbage collected (weak keys)
+_comms: weakref.WeakKeyDictionary[dist.ProcessGroup, RingComm] = weakref.WeakKeyDictionary()
 
 
 def all_to_all_equal(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, kind: str) -> None:

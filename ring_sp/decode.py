@@ -84,7 +84,7 @@ class ShardedKVCache:
             raise ValueError("positions must increase along the shard (the layouts' local order does)")
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         sizes = torch.zeros(size * 2, dtype=torch.int64)
-        RingComm(group).all_gather(sizes, torch.tensor([k.shape[1], capacity]), "decode_cache_sizes").wait()
+        RingComm.of(group).all_gather(sizes, torch.tensor([k.shape[1], capacity]), "decode_cache_sizes").wait()
         sizes = sizes.view(size, 2)
         cache = ShardedKVCache(k.new_empty(k.shape[0], capacity, *k.shape[2:]),
                                v.new_empty(v.shape[0], capacity, *v.shape[2:]),
@@ -160,7 +160,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
     mine = torch.cat([out.to(acc).flatten(), lse.to(acc).flatten(), stamp])
     world = dist.get_world_size(group)
     gathered = mine.new_empty(world * mine.numel())
-    RingComm(group).all_gather(gathered, mine, "decode_partials").wait()
+    RingComm.of(group).all_gather(gathered, mine, "decode_partials").wait()
     gathered = gathered.view(world, mine.numel())
     _check_agreement(gathered[:, -2:], cache.rank)
     split = b * h * d_v  # every rank merges the same gathered parts alike: the same bits everywhere

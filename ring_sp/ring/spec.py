@@ -133,5 +133,5 @@ def _in_message(tasks: tuple[BlockTask, ...], rows: RowSet) -> tuple[BlockTask, 
 
 def ring_comm_for(group: dist.ProcessGroup | None) -> RingComm | None:
     """The ring over ``group`` (None = default group), or None for a ring of one rank."""
-    comm = RingComm(group)
+    comm = RingComm.of(group)
     return comm if comm.world_size > 1 else None

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..comm import PendingExchange
-from .kv_exchange import KVShape, Mail, PackedKV
-from .rows import MessageRows
+from .kv_exchange import KVShape, Mail, PackedKV, Slots
+from .rows import row_span
 from .spec import RingSpec
 
 
@@ -93,18 +93,17 @@ class DirectGrads:
         self.pending: tuple[int, PendingExchange] | None = None
         self.target: PackedKV | None = None
         inner, size = self.order.inner_size, spec.world_size
-        held = [_rows(spec.recv_rows[t]) for t in range(inner, size, inner)] if self.order.double else []
-        sent = [_rows(r) for r in spec.inter_send]
-        self.sums = [shape.allocate(max(held, default=0), acc_dtype, device) for _ in range(2 if held else 0)]
-        self.back = [shape.allocate(max(sent, default=0), acc_dtype, device) for _ in range(2 if held else 0)]
+        held = [row_span(spec.recv_rows[t]) for t in range(inner, size, inner)] if self.order.double else []
+        # the held sums (what this node read of a held shard) and what comes back of the own shard, by outer step
+        self.sums = Slots(2, shape, held, acc_dtype, device)
+        self.back = Slots(2, shape, [row_span(r) for r in spec.inter_send], acc_dtype, device)
         self.inter_pending: dict[int, PendingExchange] = {}
 
     def _sum(self, outer: int) -> PackedKV:
         """Where the partials of the shard held during ``outer`` add up (the own shard's home for 0)."""
         if outer == 0:
             return self.home
-        return KVShape.of(self.sums[0].k, self.sums[0].v).view(
-            self.sums[outer % 2].buf, _rows(self.spec.recv_rows[outer * self.order.inner_size]))
+        return self.sums.view(outer, row_span(self.spec.recv_rows[outer * self.order.inner_size]))
 
     def _collect(self) -> None:
         if self.pending is not None:
@@ -134,8 +133,7 @@ class DirectGrads:
             None if recv is None else recv.buf, self.order.inter_peer(rank, outer), "ring_dkv_inter")
 
     def _back(self, outer: int) -> PackedKV:
-        rows = _rows(self.spec.inter_send[outer])
-        return KVShape.of(self.back[0].k, self.back[0].v).view(self.back[outer % 2].buf, rows)
+        return self.back.view(outer, row_span(self.spec.inter_send[outer]))
 
     def _arrived_home(self, outer: int) -> None:
         """Await ``outer``'s inter-node partials and add what came back into the home rows."""
@@ -153,7 +151,7 @@ class DirectGrads:
         self.target = self.home
         if not step:
             return
-        if self.order.double and not self.order.inner_step(step):  # an outer step begins: the last one's sum goes home
+        if self.order.reads_held(step):  # an outer step begins: the last one's sum goes home
             outer = step // self.order.inner_size
             self._collect()
             if outer > 1:
@@ -176,7 +174,7 @@ class DirectGrads:
         self.target.v[:, keys] += dv_b  # type: ignore[union-attr]
 
     def end(self, step: int) -> None:
-        if step and not (self.order.double and not self.order.inner_step(step)):
+        if step and not self.order.reads_held(step):
             self._collect()
             work = self.mail.post(step, self.target)
             self.pending = None if work is None else (step, work)
@@ -190,10 +188,6 @@ class DirectGrads:
             for outer in range(max(1, last - 1), last + 1):
                 self._arrived_home(outer)
         return self.home.k.to(deliver_dtype), self.home.v.to(deliver_dtype)
-
-
-def _rows(rows: MessageRows | None) -> int:
-    return 0 if rows is None else rows.count
 
 
 class GatheredGrads:

@@ -24,12 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import PendingExchange
-from .rows import MessageRows
+from .rows import MessageRows, row_span
 from .spec import RingSpec
-
-
-def _span(rows: MessageRows | None) -> int:
-    return 0 if rows is None else rows.count
 
 
 @dataclass(frozen=True)
@@ -80,7 +76,7 @@ class PackedKV:
         return packed
 
 
-class _Slots:
+class Slots:
     """``count`` flat buffers allocated once per call, each viewed per step as a packed KV
     message of any ``rows`` up to the largest of ``rows_per_step``."""
 
@@ -92,6 +88,17 @@ class _Slots:
 
     def view(self, step: int, rows: int) -> PackedKV:
         return self.shape.view(self.flat[step % len(self.flat)], rows)
+
+
+def _message(rows: MessageRows, holding: PackedKV, slots: Slots, slot: int) -> PackedKV:
+    """Rows ``rows`` of ``holding`` as a message: ``holding`` itself when whole, else gathered into
+    ``slots``' slot ``slot`` (whose last send was waited on)."""
+    if rows.whole:
+        return holding
+    message = slots.view(slot, rows.count)
+    rows.gather(holding.k, message.k)
+    rows.gather(holding.v, message.v)
+    return message
 
 
 class Mail:
@@ -112,16 +119,16 @@ class Mail:
         self.spec, self.own, self.kind, self.reverse = spec, own, kind, reverse
         self.order = order = spec.order
         self.inbound, self.outbound = (spec.send_rows, spec.recv_rows) if reverse else (spec.recv_rows, spec.send_rows)
-        inner = [t for t in range(1, spec.world_size) if order.inner_step(t)]  # steps messaged inside the node
-        arriving = [_span(self.inbound[t]) for t in inner]
-        self.inbox = _Slots(min(2, sum(map(bool, arriving))), shape, arriving, dtype, device)
-        staged = [_span(self.outbound[t]) for t in inner
+        inner = [t for t in range(1, spec.world_size) if not order.reads_held(t)]  # steps messaged inside the node
+        arriving = [row_span(self.inbound[t]) for t in inner]
+        self.inbox = Slots(min(2, sum(map(bool, arriving))), shape, arriving, dtype, device)
+        staged = [row_span(self.outbound[t]) for t in inner
                   if self.outbound[t] is not None and (own is None or not self.outbound[t].whole)]
-        self.stage = _Slots(2 if reverse else 1, shape, staged, dtype, device)
+        self.stage = Slots(2 if reverse else 1, shape, staged, dtype, device)
         self.double = order.double and not reverse
         outer_steps = range(order.inner_size, spec.world_size, order.inner_size) if self.double else ()
-        self.held = _Slots(2, shape, [_span(self.inbound[t]) for t in outer_steps], dtype, device)
-        self.inter_stage = _Slots(1, shape, [_span(r) for r in spec.inter_send if r is not None and not r.whole],
+        self.held = Slots(2, shape, [row_span(self.inbound[t]) for t in outer_steps], dtype, device)
+        self.inter_stage = Slots(1, shape, [row_span(r) for r in spec.inter_send if r is not None and not r.whole],
                                   dtype, device)
         self.inter_pending: dict[int, PendingExchange] = {}
 
@@ -129,20 +136,20 @@ class Mail:
         """Step ``step``'s message (after its exchange was waited on); None if none arrives."""
         if self.inbound[step] is None:
             return None
-        if self.double and not self.order.inner_step(step):
+        if self.order.reads_held(step):
             return self._held(step // self.order.inner_size)
-        return self.inbox.view(step, _span(self.inbound[step]))
+        return self.inbox.view(step, row_span(self.inbound[step]))
 
     def outgoing(self, step: int) -> PackedKV:
         """A buffer for step ``step``'s message that the caller fills (the ``reverse`` direction)."""
-        return self.stage.view(step, _span(self.outbound[step]))
+        return self.stage.view(step, row_span(self.outbound[step]))
 
     def _held(self, outer: int) -> PackedKV:
         """The held message of outer step ``outer`` (its inter-node message awaited)."""
         pending = self.inter_pending.pop(outer, None)
         if pending is not None:
             pending.wait()
-        return self.held.view(outer, _span(self.inbound[outer * self.order.inner_size]))
+        return self.held.view(outer, row_span(self.inbound[outer * self.order.inner_size]))
 
     def _post_inter(self, outer: int) -> None:
         """Post outer step ``outer``'s inter-node message: this rank's rows for its peer in node
@@ -153,11 +160,8 @@ class Mail:
         send = None
         if rows is not None:
             assert self.own is not None  # the forward direction
-            send = self.own if rows.whole else self.inter_stage.view(0, rows.count)
-            if send is not self.own:
-                rows.gather(self.own.k, send.k)
-                rows.gather(self.own.v, send.v)
-        recv = None if self.inbound[first] is None else self.held.view(outer, _span(self.inbound[first]))
+            send = _message(rows, self.own, self.inter_stage, 0)
+        recv = None if self.inbound[first] is None else self.held.view(outer, row_span(self.inbound[first]))
         if send is None and recv is None:
             return
         assert self.spec.comm is not None  # world_size > 1 here
@@ -173,10 +177,9 @@ class Mail:
                 pending.wait()
             self.inter_pending.clear()
             return None
-        inner_step = self.order.inner_step(step)
-        if self.double and inner_step == 1:
+        if self.double and self.order.inner_step(step) == 1:
             self._post_inter(step // self.order.inner_size + 1)
-        if self.double and not inner_step:
+        if self.order.reads_held(step):
             return None  # its KV is the held message, posted an outer step ahead
         if self.inbound[step] is None and self.outbound[step] is None:
             return None
@@ -184,14 +187,11 @@ class Mail:
         rows = self.outbound[step]
         if rows is not None:
             send = message
-            if send is None:  # rows of what this rank holds, staged unless whole; the stage's last send was waited on
+            if send is None:  # rows of what this rank holds (its own shard, or the outer step's held message)
                 holding = self.own if step < self.order.inner_size or not self.double else self._held(
                     step // self.order.inner_size)
                 assert holding is not None  # the forward direction always has its own shard
-                send = holding if rows.whole else self.stage.view(step, rows.count)
-                if send is not holding:
-                    rows.gather(holding.k, send.k)
-                    rows.gather(holding.v, send.v)
+                send = _message(rows, holding, self.stage, step)
         recv = self.received(step) if self.inbound[step] is not None else None
         assert self.spec.comm is not None  # world_size > 1 here
         rank = self.spec.rank

@@ -60,6 +60,11 @@ class MessageRows:
             shard.index_add_(1, self.index(shard.device)[part], message)
 
 
+def row_span(rows: MessageRows | None) -> int:
+    """Rows a message of ``rows`` carries (0: no message)."""
+    return 0 if rows is None else rows.count
+
+
 def messages(rows: tuple[RowSet | None, ...], local_len: int) -> tuple[MessageRows | None, ...]:
     """Each step's :class:`MessageRows` (None: no message)."""
     return tuple(None if r is None else MessageRows(r, local_len) for r in rows)

@@ -68,6 +68,11 @@ class RingOrder:
         """``i`` of step ``(o, i)`` (the flat ring: the step itself)."""
         return step % self.inner_size if self.double else step
 
+    def reads_held(self, step: int) -> bool:
+        """Step ``step`` is a double ring's outer step's first (``o >= 1``): its KV is the held message, which
+        came over the inter-node link (never for the flat ring)."""
+        return step > 0 and self.inner_step(step) == 0
+
     def sender(self, rank: int, step: int) -> int:
         """Who sends ``rank`` its KV of ``step`` (a step with ``inner_step == 0`` of a double ring: the
         inter-node message of the held shard, from its owner)."""

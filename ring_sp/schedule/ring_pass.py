@@ -134,7 +134,7 @@ def exchange_plan(layout: str, causal: bool, rank: int, world_size: int, local_l
     ``inner_size``: ring ranks per node for a double ring (:mod:`.ring_order`; None: the flat ring)."""
     order = RingOrder(world_size, world_size if inner_size is None else inner_size)
     steps = range(world_size)
-    inner_steps = [t for t in steps if t and order.inner_step(t)]  # steps whose KV comes inside the node
+    inner_steps = [t for t in steps if t and not order.reads_held(t)]  # steps whose KV comes inside the node
     pairs = ([(rank, order.source(rank, t)) for t in steps]
              + [(order.reader(rank, t), order.held(rank, t)) for t in inner_steps]
              + [(q, rank) for outer in range(1, order.outer_size if order.double else 1)
@@ -148,7 +148,7 @@ def exchange_plan(layout: str, causal: bool, rank: int, world_size: int, local_l
     sends: list[RowSet | None] = [whole] + [None] * (world_size - 1)
     held_rows: RowSet | None = whole  # the rows held during the current outer step (outer step 0: the own shard)
     for t in steps[1:]:
-        if t not in readers:  # a double ring's outer step begins: the held shard's rows, what this node reads
+        if order.reads_held(t):  # a double ring's outer step begins: the held shard's rows, what this node reads
             held_rows = receives[t] = message_rows(schedule[t] + sum((readers.get(t + i, ()) for i in
                                                                       range(1, order.inner_size)), ()), local_len)
             continue

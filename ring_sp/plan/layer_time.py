@@ -188,12 +188,11 @@ def candidate(ulysses: int, ring: int, placement: str, layout: str, cluster: Clu
     local_len, chunk = work.seq_len // sp_size, work.seq_len // ring
     heads_here, m = model.heads // ulysses, kv_heads_per_rank(model.kv_heads, ulysses)
     window = work.sliding_window if work.sliding_window is not None and work.sliding_window < work.seq_len else None
+    where = Placement.of(ulysses, ring, placement, cluster)
     fwd_bytes, bwd_bytes = layer_bytes(ulysses=ulysses, ring=ring, batch=b, local_len=local_len, heads=model.heads,
                                        kv_heads=model.kv_heads, head_dim=d, dtype=work.dtype, layout=layout,
                                        causal=work.causal, sliding_window=window, value_head_dim=d_v,
-                                       kv_exchange=kv_exchange, inner_size=Placement.of(ulysses, ring, placement,
-                                                                                        cluster).ring_inner)
-    where = Placement.of(ulysses, ring, placement, cluster)
+                                       kv_exchange=kv_exchange, inner_size=where.ring_inner)
     ring_bw = cluster.inter_bw if where.ring_link == "inter" else cluster.intra_bw
     a2a_fwd, a2a_bwd = (sum(where.a2a_seconds(v, cluster) for k, v in sent.items() if k.startswith("ulysses"))
                         for sent in (fwd_bytes, bwd_bytes))

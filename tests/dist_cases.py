@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -34,21 +34,11 @@ def topology(ulysses: int, ring: int, placement: str = "ulysses_inner",
     return _TOPOLOGIES[key]
 
 
-@contextlib.contextmanager
-def nodes_of(node_size: int | None) -> Iterator[None]:
+def nodes_of(node_size: int | None) -> contextlib.AbstractContextManager:
     """The launcher's ranks per node (``LOCAL_WORLD_SIZE``) set to ``node_size`` for the block (None: untouched)."""
     if node_size is None:
-        yield
-        return
-    before = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = str(node_size)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["LOCAL_WORLD_SIZE"]
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = before
+        return contextlib.nullcontext()
+    return mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": str(node_size)})
 
 
 @dataclass(frozen=True)

@@ -83,12 +83,22 @@ def test_decode_bf16_within_its_tolerance(pools) -> None:
     assert all(max(r["errors"]) <= 2 * OUT_TOL[torch.bfloat16].atol for r in results), [r["errors"] for r in results]
 
 
+def contiguous_prefill(seed: int, seq_len: int, per_rank: int,
+                       capacity: int) -> tuple[dict[str, torch.Tensor], ShardedKVCache]:
+    """fp64 inputs of ``seq_len`` tokens (1 x 2 heads x 4) and this rank's cache of the prompt's
+    ``per_rank`` contiguous tokens of its own (rank r: tokens r * per_rank ...), room for ``capacity``."""
+    rank = dist.get_rank()
+    inputs = make_inputs(seed, 1, seq_len, 2, 2, 4, torch.float64)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    cache = ShardedKVCache.from_prefill(inputs["k"][:, mine], inputs["v"][:, mine], torch.arange(seq_len)[mine],
+                                        capacity=capacity)
+    return inputs, cache
+
+
 def disagreeing_caches() -> str:
     rank = dist.get_rank()
-    inputs = make_inputs(1, 1, 9, 2, 2, 4, torch.float64)
+    inputs, cache = contiguous_prefill(1, 9, 4, capacity=8)
     k, v = inputs["k"], inputs["v"]
-    cache = ShardedKVCache.from_prefill(k[:, rank * 4:(rank + 1) * 4], v[:, rank * 4:(rank + 1) * 4],
-                                        torch.arange(rank * 4, (rank + 1) * 4), capacity=8)
     if rank == 1:
         cache.counts[0] += 1  # rank 1 thinks one more token is cached (another prompt, a skipped step)
     try:
@@ -104,11 +114,8 @@ def test_caches_that_differ_raise_on_every_rank(pools) -> None:
 
 
 def full_cache() -> str:
-    rank = dist.get_rank()
-    inputs = make_inputs(2, 1, 6, 2, 2, 4, torch.float64)
+    inputs, cache = contiguous_prefill(2, 6, 2, capacity=2 + (dist.get_rank() == 0))
     k, v = inputs["k"], inputs["v"]
-    cache = ShardedKVCache.from_prefill(k[:, rank * 2:(rank + 1) * 2], v[:, rank * 2:(rank + 1) * 2],
-                                        torch.arange(rank * 2, (rank + 1) * 2), capacity=2 + (rank == 0))
     decode_attention(inputs["q"][:, 4:5], k[:, 4:5], v[:, 4:5], cache)  # fits on rank 0
     try:
         decode_attention(inputs["q"][:, 5:6], k[:, 5:6], v[:, 5:6], cache)  # rank 1 is full
@@ -124,11 +131,8 @@ def test_a_full_cache_raises_on_every_rank_before_any_message(pools) -> None:
 
 def bad_backend() -> str:
     """Window 1: only the new token's owner sees a key; the others must still refuse the backend, not wait."""
-    rank = dist.get_rank()
-    inputs = make_inputs(3, 1, 5, 2, 2, 4, torch.float64)
+    inputs, cache = contiguous_prefill(3, 5, 2, capacity=3)
     k, v = inputs["k"], inputs["v"]
-    cache = ShardedKVCache.from_prefill(k[:, rank * 2:(rank + 1) * 2], v[:, rank * 2:(rank + 1) * 2],
-                                        torch.arange(rank * 2, (rank + 1) * 2), capacity=3)
     try:
         decode_attention(inputs["q"][:, 4:5], k[:, 4:5], v[:, 4:5], cache, window=1, backend="flash")
     except ValueError as error:

@@ -46,6 +46,7 @@ class ShardedKVCache:
     rank: int
     counts: list[int] = field(default_factory=list)
     capacities: list[int] = field(default_factory=list)
+    grow_by: int = 0  # 0: a full rank is an error; else a full owner gets this many more slots (every rank counts it)
 
     @property
     def length(self) -> int:
@@ -86,13 +87,26 @@ class ShardedKVCache:
         sizes = torch.zeros(size * 2, dtype=torch.int64)
         RingComm.of(group).all_gather(sizes, torch.tensor([k.shape[1], capacity]), "decode_cache_sizes").wait()
         sizes = sizes.view(size, 2)
+        return ShardedKVCache.holding(k, v, positions, rank=rank, counts=sizes[:, 0].tolist(),
+                                      capacities=sizes[:, 1].tolist())
+
+    @staticmethod
+    def holding(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, rank: int, counts: list[int],
+                capacities: list[int], grow_by: int = 0) -> ShardedKVCache:
+        """A cache holding ``k`` ``[b, n, h_kv, d]`` / ``v`` at ``positions`` ``[n]`` (host, increasing) on
+        ring rank ``rank``, when every rank's ``counts`` and ``capacities`` are known without asking (no
+        communication; ``counts[rank]`` must be ``n``). ``grow_by``: see the field."""
+        if counts[rank] != k.shape[1] or capacities[rank] < k.shape[1] or positions.shape != (k.shape[1],):
+            raise ValueError(f"rank {rank} holds {k.shape[1]} tokens at {tuple(positions.shape)} positions, but its count "
+                             f"is {counts[rank]} and its capacity {capacities[rank]}")
+        capacity = capacities[rank]
         cache = ShardedKVCache(k.new_empty(k.shape[0], capacity, *k.shape[2:]),
                                v.new_empty(v.shape[0], capacity, *v.shape[2:]),
-                               torch.full((capacity,), -1, dtype=torch.int64), rank,
-                               sizes[:, 0].tolist(), sizes[:, 1].tolist())
+                               torch.full((capacity,), -1, dtype=torch.int64), rank, list(counts), list(capacities),
+                               grow_by)
         cache.k[:, : k.shape[1]] = k
         cache.v[:, : v.shape[1]] = v
-        cache.positions[: k.shape[1]] = positions
+        cache.positions[: k.shape[1]] = positions.cpu()
         return cache
 
     def next_owner(self) -> int:
@@ -103,6 +117,10 @@ class ShardedKVCache:
         """Store one token's ``k`` ``[b, 1, h_kv, d]`` / ``v`` on :meth:`next_owner` (every rank calls it
         with the same token); returns its position."""
         owner, position = self.next_owner(), self.total
+        if self.counts[owner] == self.capacities[owner] and self.grow_by:  # every rank counts it; the owner grows
+            self.capacities[owner] += self.grow_by
+            if owner == self.rank:
+                self._grow(self.capacities[owner])
         if self.counts[owner] == self.capacities[owner]:  # every rank knows: all raise, none waits
             raise ValueError(f"the KV cache is full: token {position} would go to rank {owner}, which holds its "
                              f"capacity of {self.capacities[owner]} tokens; the caches were sized for fewer tokens than "
@@ -113,6 +131,15 @@ class ShardedKVCache:
             self.positions[self.length] = position
         self.counts[owner] += 1
         return position
+
+    def _grow(self, capacity: int) -> None:
+        """Move this rank's tokens into storage for ``capacity`` (one copy per ``grow_by`` tokens it receives)."""
+        n = self.length
+        k, v, positions = self.k, self.v, self.positions
+        self.k = k.new_empty(k.shape[0], capacity, *k.shape[2:])
+        self.v = v.new_empty(v.shape[0], capacity, *v.shape[2:])
+        self.positions = torch.full((capacity,), -1, dtype=torch.int64)
+        self.k[:, :n], self.v[:, :n], self.positions[:n] = k[:, :n], v[:, :n], positions[:n]
 
 
 def _visible(cache: ShardedKVCache, position: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,12 +154,14 @@ def _visible(cache: ShardedKVCache, position: int, window: int | None) -> tuple[
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCache, *,
                      group: dist.ProcessGroup | None = None, scale: float | None = None,
                      window: int | None = None, sinks: torch.Tensor | None = None,
-                     backend: str = "auto") -> torch.Tensor:
+                     backend: str = "auto", agree: torch.Tensor | None = None) -> torch.Tensor:
     """One new token's attention over the whole sharded cache, after storing its own key and value
     (:meth:`ShardedKVCache.append`). q ``[b, 1, h, d]``, k ``[b, 1, h_kv, d]``, v ``[b, 1, h_kv, d_v]``
     (the same on every rank of ``group``, the ring the cache is sharded over) -> out ``[b, 1, h, d_v]``
     in q's dtype, equal on every rank. ``window``: a sliding window (the token sees ``window`` keys,
-    itself included); ``sinks`` ``[h]``: attention sinks. Collective: one all-gather."""
+    itself included); ``sinks`` ``[h]``: attention sinks. ``agree``: values every rank must hold alike (the
+    step's token ids: a rank that sampled another token raises with the others), compared with the cache's
+    count and position. Collective: one all-gather."""
     if q.dim() != 4 or q.shape[1] != 1 or k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: one token each, "
                          f"q [b, 1, h, d], k [b, 1, h_kv, d], v [b, 1, h_kv, d_v]")
@@ -157,13 +186,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
     # from the host's counts (a rank that counted otherwise must show it), pinned on CUDA (torch caches pinned
     # blocks) so the copy does not wait for the GPU
     stamp = torch.tensor([cache.total, position], dtype=acc, pin_memory=q.is_cuda).to(q.device, non_blocking=True)
-    mine = torch.cat([out.to(acc).flatten(), lse.to(acc).flatten(), stamp])
+    extra = agree.to(acc).flatten() if agree is not None else stamp[:0]
+    mine = torch.cat([out.to(acc).flatten(), lse.to(acc).flatten(), extra, stamp])
     world = dist.get_world_size(group)
     gathered = mine.new_empty(world * mine.numel())
     RingComm.of(group).all_gather(gathered, mine, "decode_partials").wait()
     gathered = gathered.view(world, mine.numel())
-    _check_agreement(gathered[:, -2:], cache.rank)
     split = b * h * d_v  # every rank merges the same gathered parts alike: the same bits everywhere
+    _check_agreement(gathered[:, split + b * h:], cache.rank, extra.numel())
     merged_out, merged_lse = merge_partials(gathered[:, :split].view(world, b, 1, h, d_v),
                                             gathered[:, split: split + b * h].view(world, b, h, 1))
     if sinks is not None:
@@ -171,12 +201,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
     return merged_out.to(q.dtype)
 
 
-def _check_agreement(stamps: torch.Tensor, rank: int) -> None:
-    """Every rank cached the same number of tokens and decodes the same position, else one error everywhere."""
+def _check_agreement(stamps: torch.Tensor, rank: int, extra: int) -> None:
+    """Every rank cached the same number of tokens, decodes the same position and holds the same ``extra``
+    values (the agree= ones, first), else one error everywhere."""
     differs = (stamps != stamps[0]).any(dim=1)
     if bool(differs.any()):  # the one host read of the call
         odd = differs.nonzero().flatten().tolist()
-        seen = {r: (int(stamps[r, 0]), int(stamps[r, 1])) for r in range(stamps.shape[0])}
+        seen = {r: (int(stamps[r, -2]), int(stamps[r, -1])) for r in range(stamps.shape[0])}
+        if all(s == seen[0] for s in seen.values()):
+            raise RuntimeError(f"rank {rank}: the ranks decode different tokens: rank(s) {odd} hold other values than "
+                               f"rank 0 ({stamps[:, :extra].tolist()}); every rank must sample alike (the same "
+                               f"generation arguments and the same seed on every rank: transformers.set_seed)")
         raise RuntimeError(f"rank {rank}: the ranks' KV caches disagree (cached tokens, position) per rank: {seen}; "
                            f"rank(s) {odd} differ from rank 0: every rank must prefill the same prompt and decode the "
                            f"same tokens")

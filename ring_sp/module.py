@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from .attention import hybrid_attention
+from .decode import ShardedKVCache, decode_attention
+from .layouts import rank_positions
 from .topology import SequenceParallelTopology
 from .validation import check_head_chunks, check_kv_exchange, check_options, check_sliding_window
 
@@ -75,6 +77,32 @@ class SequenceParallelAttention(nn.Module):
             sinks=sinks, sliding_window=window, reuse_on_recompute=self.reuse_on_recompute,
             kv_exchange=self.kv_exchange, head_chunks=self.head_chunks, spans=spans,
         )
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, capacity: int,
+                sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, ShardedKVCache]:
+        """A prompt's attention and this rank's KV cache (issue 46's core entry): :meth:`forward` on this
+        rank's shard (q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]`` of a prompt of ``n * sp_size`` tokens
+        in ``layout``; no documents), and a :class:`ring_sp.decode.ShardedKVCache` of the shard's keys
+        and values at their global positions, over the SP group, with room for ``capacity`` tokens on
+        this rank (its share of the prompt plus of the tokens to generate). Collectives: the forward's,
+        then one all-gather of the shard sizes. Needs ``causal=True``."""
+        if not self.causal:
+            raise ValueError("prefill needs causal=True (a prompt decoded token by token is causal)")
+        out = self.forward(q, k, v, sliding_window=sliding_window, sinks=sinks)
+        t = self.topology
+        positions = rank_positions(self.layout, t.sp_size, q.shape[1] * t.sp_size, t.sp_rank)
+        return out, ShardedKVCache.from_prefill(k, v, positions, capacity=capacity, group=t.sp_group)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCache, *,
+               sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """One new token (q ``[b, 1, h, d]``, k ``[b, 1, h_kv, d]``, v ``[b, 1, h_kv, d_v]``, the same on every
+        rank of the SP group) against ``cache`` (:meth:`prefill`'s), after storing its key and value on one
+        rank -> ``[b, 1, h, d_v]``, equal on every rank (:func:`ring_sp.decode.decode_attention`: one
+        all-gather over the SP group). ``sliding_window``: None takes the module's."""
+        window = self.sliding_window if sliding_window is None else sliding_window
+        return decode_attention(q, k, v, cache, group=self.topology.sp_group, scale=self.softmax_scale, window=window,
+                                sinks=sinks, backend=self.backend)
 
     def extra_repr(self) -> str:
         t = self.topology

@@ -156,3 +156,53 @@ def test_bad_shapes_are_named() -> None:
         ShardedKVCache.from_prefill(torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4), torch.tensor([0, 2, 1]), capacity=4)
     with pytest.raises(ValueError, match=r"capacity=2 is less than the 3 tokens"):
         ShardedKVCache.from_prefill(torch.zeros(1, 3, 2, 4), torch.zeros(1, 3, 2, 4), torch.arange(3), capacity=2)
+
+
+def module_case(window: int | None) -> dict:
+    """SequenceParallelAttention.prefill / .decode at U2 x R2 (the core entry): the prompt's output and every
+    decoded token's equal the float64 oracle (sinks, GQA, a window across the shards)."""
+    topo = ring_sp.init_sequence_parallel(2, 2)
+    attn = ring_sp.SequenceParallelAttention(topo, layout="zigzag", sliding_window=window)
+    inputs = make_inputs(5, 2, PROMPT + NEW, 4, 2, 8, torch.float64, sinks=True)
+    q, k, v, sinks = inputs["q"], inputs["k"], inputs["v"], inputs["sinks"]
+    shard = [topo.shard_sequence(x[:, :PROMPT], layout="zigzag") for x in (q, k, v)]
+    out, cache = attn.prefill(*shard, capacity=PROMPT // 4 + math.ceil(NEW / 4), sinks=sinks)
+    want, _ = oracle_attention(q, k, v, causal=True, mask=_window_mask(PROMPT + NEW, window), sinks=sinks)
+    errors = [(out - topo.shard_sequence(want[:, :PROMPT], layout="zigzag")).abs().max().item()]
+    for t in range(PROMPT, PROMPT + NEW):
+        step = attn.decode(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache, sinks=sinks)
+        errors.append((step - want[:, t:t + 1]).abs().max().item())
+    return {"errors": errors, "counts": cache.counts}
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_module_prefill_and_decode_equal_the_oracle(pools, window) -> None:
+    for result in pools.get(4).run(module_case, window):
+        assert max(result["errors"]) <= OUT_TOL[torch.float64].atol, result["errors"]
+        assert sum(result["counts"]) == PROMPT + NEW
+
+
+def test_a_growing_cache_moves_its_tokens_once_per_block() -> None:
+    """grow_by: the owner of a token that finds it full grows by a block (its tokens kept); every rank counts it."""
+    k = torch.arange(2 * 2 * 4, dtype=torch.float64).view(1, 2, 2, 4)
+    cache = ShardedKVCache.holding(k, k + 1, torch.tensor([0, 3]), rank=0, counts=[2, 2], capacities=[2, 2], grow_by=3)
+    storages = set()
+    for token in range(6):  # positions 4..9 alternate between rank 0 and rank 1
+        new = torch.full((1, 1, 2, 4), float(100 + token), dtype=torch.float64)
+        assert cache.append(new, new + 1) == 4 + token
+        storages.add(cache.k.data_ptr())
+    assert cache.counts == [5, 5] and cache.capacities == [5, 5] and len(storages) == 1  # one growth of 3 slots
+    assert torch.equal(cache.k[:, :2], k) and cache.positions.tolist() == [0, 3, 4, 6, 8]
+    assert cache.k[0, 2:, 0, 0].tolist() == [100.0, 102.0, 104.0]
+
+
+def test_final_counts_follow_the_owner_rule() -> None:
+    """generate()'s fixed capacities (RingSPCache(max_cache_len=)) are where the owner rule puts every token."""
+    from ring_sp.integrations.transformers.generation import _final_counts
+
+    for counts, total in [([3, 3, 3, 3], 20), ([4, 4, 3, 3], 15), ([5, 1, 2, 2], 10), ([2, 2], 4), ([7, 0, 0], 8)]:
+        cache = ShardedKVCache(torch.zeros(1, 0, 1, 1), torch.zeros(1, 0, 1, 1), torch.zeros(0), 0, list(counts),
+                               [10**6] * len(counts))
+        for _ in range(total - sum(counts)):
+            cache.counts[cache.next_owner()] += 1
+        assert _final_counts(counts, total) == cache.counts, (counts, total)

@@ -88,6 +88,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    engine, _ = train(args)
+    if args.save_pretrained and dist.get_rank() == 0:
+        engine.module.save_pretrained(args.save_pretrained)  # loads in plain transformers: no ring_sp parameters
+
+
+def train(args: argparse.Namespace) -> tuple[object, ring_sp.SequenceParallelTopology | None]:
+    """The training run of ``args``: the DeepSpeed engine after ``--steps`` steps and the topology
+    (None with ``--no-ring-sp``). examples/transformers/generate_long.py generates from it."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -145,8 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         progress.step(step, train_step(engine, batches, loss_of, dp_group), tokens=samples_per_step * args.seq_len)
         if args.eval_interval and (step % args.eval_interval == 0 or step == args.steps):
             progress.log(step, eval_loss=eval_loss(engine, eval_loader, eval_sum_of, topology))  # ring_sp: exact
-    if args.save_pretrained and dist.get_rank() == 0:
-        engine.module.save_pretrained(args.save_pretrained)  # loads in plain transformers: no ring_sp parameters
+    return engine, topology
 
 
 if __name__ == "__main__":

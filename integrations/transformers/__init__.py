@@ -18,10 +18,13 @@
 * :func:`causal_lm_loss`: the exact loss over the SP group, scaled for the engine in use.
 * :func:`enable_long_sequence` / :func:`model_loss`: the long-sequence step (tiled MLP,
   tiled logits + loss that never builds the full logits, checkpoints offloaded to host).
+* ``model.generate(...)`` on every rank of the SP group: the prompt prefilled over the grid into
+  a KV cache sharded over the ranks (:class:`RingSPCache`, exported lazily: it imports
+  transformers), each token decoded against it; greedy and sampling, equal to one device's
+  (:mod:`.generation`).
 * :class:`UnsupportedFeatureError`: what an unsupported model feature raises, on every rank,
-  before any collective (chunked attention, attention dropout, padding or custom masks,
-  generation with a KV cache; ``generate()`` on more than one SP rank raises before the
-  prefill: ``model.set_attn_implementation("sdpa")`` for it and back to ``"ring_sp"``).
+  before any collective (chunked attention, attention dropout, padding or custom masks;
+  beam search or speculative decoding in ``generate()``).
 
 Importing this package does not import transformers: :func:`register` does. Nor does it
 import :mod:`ring_sp.integrations.deepspeed`, which builds on it; the Trainer under DeepSpeed or
@@ -42,17 +45,23 @@ from .loss import causal_lm_loss
 
 
 def __getattr__(name: str) -> object:
-    """``SequenceParallelSFTTrainer`` from :mod:`.sft_trainer`, imported on first access (it imports trl)."""
+    """``SequenceParallelSFTTrainer`` from :mod:`.sft_trainer` (it imports trl) and ``RingSPCache`` from
+    :mod:`.kv_cache` (it imports transformers), imported on first access."""
     if name == "SequenceParallelSFTTrainer":
         from .sft_trainer import SequenceParallelSFTTrainer
 
         return SequenceParallelSFTTrainer
+    if name == "RingSPCache":
+        from .kv_cache import RingSPCache
+
+        return RingSPCache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "Registration",
+    "RingSPCache",
     "UnsupportedFeatureError",
     "causal_lm_loss",
     "document_boundaries",

@@ -39,7 +39,7 @@ from ring_sp.layouts import Boundaries, check_grid_layout
 from ring_sp.integrations.versions import require_supported
 from ring_sp.validation import check_head_chunks, check_kv_exchange, check_options
 
-from .features import (UnsupportedFeatureError, check_mask_call, check_model_config, host_values, labels_error,
+from .features import (check_mask_call, check_model_config, host_values, labels_error,
                        later_tokens_error, model_name, ring_sp_call_options, sees_later_tokens)
 from .multimodal import LOCAL_ENCODERS, select_image_tokens, selected_tokens, vision_model_error
 from .shards import IMAGE_TOKENS_KEY, SHARD_KEY, agreed_values, check_shard, images_checksum, inputs_error, remember
@@ -82,6 +82,10 @@ class RingSPAttention:
     def __call__(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
         reg = self.registration
+        if reg.topology.sp_size > 1 and _decoding():  # generate()'s decode step: over the sharded KV cache
+            from .generation import decode_call
+
+            return decode_call(module, query, key, value, kwargs, reg), None
         local_encoder = getattr(getattr(module, "config", None), "model_type", None) in LOCAL_ENCODERS
         if local_encoder or (reg.topology.sp_size == 1 and (attention_mask is not None or key.shape[-2] != query.shape[-2])):
             # a known vision tower attends within whole images, which every rank holds (.multimodal); on one
@@ -133,6 +137,8 @@ class RingSPAttention:
         except ValueError as exc:
             if not defer(exc):  # inside a forward of register()'s guard: raised on every rank by the first layer
                 raise
+        if self.registration.topology.sp_size > 1 and _decoding():
+            return None  # a decode step over the sharded cache sees every earlier token (windows: the attention's)
         cached = kv_length != q_length or isinstance(q_offset, torch.Tensor) or q_offset != 0
         padded = attention_mask is not None and not bool(attention_mask.all())
         later = not cached and sees_later_tokens(kwargs.get("mask_function"), kwargs.get("batch_size", 1), q_length,
@@ -191,12 +197,11 @@ def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", back
 
 
 def _guard_generate() -> None:
-    """``generate()`` of a ring_sp model over more than one SP rank raises before the prefill.
-
-    Every rank would hold the whole prompt while the attention takes it for this rank's
-    shard of a longer sequence: the prefill would run the ring over the wrong tokens, and only
-    the first decode step (a KV cache) would fail. Wraps ``GenerationMixin.generate`` once;
-    other models (and one-rank SP groups, where ring_sp hands cached calls to sdpa) pass through.
+    """``generate()`` of a ring_sp model over more than one SP rank runs on every rank of the SP
+    group together (:func:`.generation.generate_together`: its arguments agreed, the prompt
+    prefilled over the grid into a sharded KV cache, each token decoded against it). Wraps
+    ``GenerationMixin.generate`` once; other models (and one-rank SP groups, where ring_sp hands
+    cached calls to sdpa) pass through.
     """
     from transformers.generation.utils import GenerationMixin
 
@@ -204,13 +209,9 @@ def _guard_generate() -> None:
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
             current = registration()
             if uses_ring_sp(self) and current is not None and current.topology.sp_size > 1:
-                raise UnsupportedFeatureError(
-                    f"{model_name(getattr(self, 'config', None))} cannot generate() with attn_implementation="
-                    f'"{ATTN_IMPLEMENTATION}" on {current.topology.sp_size} sequence-parallel ranks (every rank holds '
-                    f"the whole prompt, the attention expects this rank's shard); switch the attention for generation: "
-                    f'model.set_attn_implementation("sdpa"), generate, then model.set_attn_implementation('
-                    f'"{ATTN_IMPLEMENTATION}") to train on'
-                )
+                from .generation import generate_together
+
+                return generate_together(generate, self, current.topology, args, kwargs)
             return generate(self, *args, **kwargs)
 
         return guarded
@@ -255,6 +256,12 @@ def _guard_forward() -> None:
             current = registration()
             if _IN_FORWARD.get() or current is None or current.topology.sp_size == 1 or not uses_ring_sp(self):
                 return call(self, *args, **kwargs)
+            cache = kwargs.get("past_key_values")
+            if getattr(cache, "is_ring_sp", False) and cache.prefill is None:
+                from .generation import cached_forward, decoding
+
+                if not decoding():  # generate()'s forwards: the prefill cut there, each decode step as it is
+                    return cached_forward(functools.partial(guarded, self), self, current, kwargs)
             where = model_name(getattr(self, "config", None))
             error = None
             if kwargs.get("labels") is not None:
@@ -279,6 +286,12 @@ def _guard_forward() -> None:
         return guarded
 
     _wrap_once(PreTrainedModel, "__call__", guard)
+
+
+def _decoding() -> bool:
+    """Whether generate()'s decode step is running (only then is .generation imported)."""
+    module = sys.modules.get(f"{__package__}.generation")
+    return module is not None and module.decoding()
 
 
 def registration() -> Registration | None:

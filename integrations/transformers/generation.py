@@ -1,0 +1,269 @@
+"""``model.generate()`` on a ``"ring_sp"`` model over the SP group: prefill over the grid, decode over a sharded cache.
+
+Every rank of the SP group calls ``generate`` with the same prompt ``[b, n]`` and arguments
+(and, to sample, the same seed). Then:
+
+1. **Agreement** (:func:`generate_together`, before any other collective): what cannot be exact
+   is refused by name on every rank (beam search, assisted/speculative decoding, contrastive
+   search, DoLa, chunked prefill, padded prompts, a cache that is not an empty
+   :class:`.kv_cache.RingSPCache`); the prompt, the generation arguments, the cache's size and,
+   when sampling, the random state are compared across ranks in one small all-gather.
+2. **Prefill** (:func:`cached_forward`, the first forward, cache empty): the prompt, right-padded
+   to the layout's unit (causal attention never lets a prompt token see the padding), is cut
+   into this rank's shard (:func:`ring_sp.shard_batch`, positions the attention checks) and runs through the model as in training:
+   the grid attention (ring, Ulysses or both, any layout), with each layer's keys and values
+   kept in the cache (1/P of them per rank, the padding dropped). Only the last prompt token's
+   logits are computed, on the rank holding it, and broadcast to the group.
+3. **Decode** (each later forward, one token): every rank runs the token through the model
+   alike; each attention layer stores its key/value on one rank (the fewest cached) and attends
+   over every rank's shard in one all-gather of partial results, merged in fp32
+   (:func:`ring_sp.decode.decode_attention`), which also compares the step's token ids: ranks
+   that sampled differently raise together.
+4. The generated sequences are compared once more after the last token.
+
+Every rank returns the same tokens, equal to one device's ``generate()`` (tested token for
+token, with every step's logits).
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ring_sp.agreement import CallSignature, raise_together
+from ring_sp.data import shard_batch, token_checksum
+from ring_sp.decode import decode_attention
+from ring_sp.layouts import padded_length
+
+from .features import UnsupportedFeatureError, model_name, ring_sp_call_options
+from .kv_cache import PrefillShard, RingSPCache
+
+# generate()'s arguments that would need other than one token per step on every rank alike: (test, what, fix)
+_REFUSED: tuple[tuple[Callable[[Any], bool], str, str], ...] = (
+    (lambda c: (c.num_beams or 1) > 1, "beam search (num_beams={0.num_beams})", "num_beams=1 (greedy or do_sample=True)"),
+    (lambda c: getattr(c, "prompt_lookup_num_tokens", None) is not None, "prompt-lookup (speculative) decoding",
+     "drop prompt_lookup_num_tokens"),
+    (lambda c: getattr(c, "penalty_alpha", None) is not None, "contrastive search (penalty_alpha)", "drop penalty_alpha"),
+    (lambda c: getattr(c, "dola_layers", None) is not None, "DoLa decoding (dola_layers)", "drop dola_layers"),
+    (lambda c: getattr(c, "prefill_chunk_size", None) is not None, "chunked prefill (prefill_chunk_size)",
+     "drop prefill_chunk_size: ring_sp prefills the whole prompt over the SP group at once"),
+    (lambda c: bool(getattr(c, "output_attentions", False)), "output_attentions (ring attention keeps no weights)",
+     "drop output_attentions"),
+)
+_SPECULATIVE = ("assistant_model", "assistant_tokenizer", "custom_generate", "inputs_embeds")
+
+
+@dataclass(frozen=True)
+class _Decoding:
+    cache: RingSPCache
+    tokens: torch.Tensor  # the step's token ids [b], compared across ranks by the first layer's all-gather
+
+
+_DECODING: ContextVar[_Decoding | None] = ContextVar("ring_sp_decoding", default=None)
+
+
+def decoding() -> bool:
+    """Whether a decode step's forward is running (the mask hook then builds no mask)."""
+    return _DECODING.get() is not None
+
+
+def _config(model: Any, kwargs: dict[str, Any]) -> Any:
+    """generate()'s resolved GenerationConfig (the model's, or the one given, updated with the keyword arguments)."""
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return config
+
+
+def _local_error(model: Any, prompt: Any, config: Any, kwargs: dict[str, Any]) -> Exception | None:
+    """This rank's reason to refuse the call, found without communication (None: none)."""
+    where = model_name(getattr(model, "config", None))
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 2 or prompt.is_floating_point():
+        return ValueError(f"{where}: generate() on SP ranks needs input_ids [batch, prompt] (token ids); got "
+                          f"{type(prompt).__name__} {tuple(getattr(prompt, 'shape', ()))}")
+    for name in _SPECULATIVE:
+        if kwargs.get(name) is not None:
+            return UnsupportedFeatureError(f"{where}: generate({name}=...) is not supported on SP ranks (ring_sp decodes "
+                                           f"one token at a time from input_ids, on every rank alike); drop {name}")
+    for refused, what, fix in _REFUSED:
+        if refused(config):
+            return UnsupportedFeatureError(f"{where}: {what.format(config)} cannot run exactly over a sharded KV cache "
+                                           f"in ring_sp; {fix}")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).all()):
+        return UnsupportedFeatureError(f"{where}: an attention_mask with zeros (padded prompts of different lengths) is not "
+                                       f"supported on SP ranks; generate each prompt length as its own batch")
+    cache = kwargs.get("past_key_values")
+    if cache is not None and not isinstance(cache, RingSPCache):
+        return TypeError(f"{where}: past_key_values must be a ring_sp RingSPCache on SP ranks (each rank holds its shard "
+                         f"of the cache); got {type(cache).__name__}")
+    if cache is not None and (cache.get_seq_length() or cache.layers):
+        return UnsupportedFeatureError(f"{where}: past_key_values holds {cache.get_seq_length()} tokens already (a second "
+                                       f"turn against a cached context is not supported yet); pass a new RingSPCache()")
+    limit = None if cache is None else cache.limit
+    wanted = prompt.shape[1] + (config.max_new_tokens if config.max_new_tokens is not None else
+                                max(config.max_length - prompt.shape[1], 0))
+    if limit is not None and wanted > limit:
+        return ValueError(f"{where}: the prompt of {prompt.shape[1]} tokens and up to {wanted - prompt.shape[1]} new ones "
+                          f"need {wanted} cached tokens, but RingSPCache(max_cache_len={limit}); size it for "
+                          f"prompt + max_new_tokens")
+    return None
+
+
+def _arguments_code(config: Any, kwargs: dict[str, Any]) -> int:
+    """A checksum of what decides the tokens besides the prompt: the resolved generation config and
+    the other scalar arguments (crc32: the same in every process, unlike hash())."""
+    scalars = sorted((k, repr(v)) for k, v in kwargs.items() if isinstance(v, (bool, int, float, str, type(None))))
+    return zlib.crc32(f"{config.to_json_string(use_diff=False)}{scalars}".encode())
+
+
+def _random_code(device: torch.device) -> int:
+    """A checksum of the random state sampling draws from on ``device``."""
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    return zlib.crc32(state.numpy().tobytes())
+
+
+def generate_together(generate: Callable[..., Any], model: Any, topology: Any, args: tuple,
+                      kwargs: dict[str, Any]) -> Any:
+    """``generate(model, *args, **kwargs)`` on every rank of ``topology``'s SP group (see the module)."""
+    kwargs = dict(kwargs)
+    if args:
+        kwargs.setdefault("input_ids", args[0])
+        args = ()
+    prompt = kwargs.get("input_ids", kwargs.get("inputs"))
+    config = _config(model, {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs")})
+    error = _local_error(model, prompt, config, kwargs)
+    valid = error is None
+    dims = tuple(prompt.shape) if valid else (-1, -1)
+    values = (*dims, int(token_checksum(prompt)) if valid else -1, _arguments_code(config, kwargs),
+              _random_code(prompt.device) if valid and config.do_sample else -1,
+              -1 if kwargs.get("past_key_values") is None else (kwargs["past_key_values"].limit or 0))
+    text = (f"generate(input_ids {dims}, prompt checksum {values[2]}, arguments checksum {values[3]}, random state "
+            f"{values[4]} (seed every rank alike to sample), max_cache_len {values[5]})")
+    raise_together(topology.sp_group, CallSignature.named("generate", values, text), error, validate=True,
+                   device=prompt.device if valid else torch.device("cpu"))
+    kwargs.setdefault("past_key_values", RingSPCache())
+    kwargs["use_cache"] = True  # a model configured use_cache=False (training) would re-run the whole sequence
+    out = generate(model, **kwargs)
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    mine = torch.stack([token_checksum(sequences), torch.tensor(sequences.shape[1], device=sequences.device)])
+    every = [torch.empty_like(mine) for _ in range(topology.sp_size)]
+    dist.all_gather(every, mine, group=topology.sp_group)
+    if any(not torch.equal(e, every[0]) for e in every):
+        raise RuntimeError(f"the SP ranks generated different sequences (checksum, length per rank: "
+                           f"{[e.tolist() for e in every]}); seed every rank alike and pass the same arguments")
+    return out
+
+
+@contextmanager
+def _prefilling(cache: RingSPCache, prefill: PrefillShard) -> Iterator[None]:
+    cache.prefill = prefill
+    try:
+        yield
+    finally:
+        cache.prefill = None
+
+
+def _final_counts(counts: list[int], total: int) -> list[int]:
+    """Every rank's cached tokens once ``total`` are cached, each new token on the rank with the fewest
+    (ties: the lowest), as :meth:`ring_sp.decode.ShardedKVCache.next_owner` assigns them."""
+    extra = total - sum(counts)
+
+    def needed(level: int) -> int:  # new tokens that bring every rank up to ``level``
+        return sum(max(0, level - c) for c in counts)
+
+    low, high = min(counts), max(counts) + extra
+    while low < high:  # the highest level the new tokens fill on every rank
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if needed(mid) <= extra else (low, mid - 1)
+    final, left = [max(c, low) for c in counts], extra - needed(low)
+    for r, count in enumerate(final):  # the rest, one each, to the lowest ranks at that level
+        if left and count == low:
+            final[r], left = count + 1, left - 1
+    return final
+
+
+def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.Tensor) -> tuple[PrefillShard, int]:
+    """What this rank keeps of a prompt of ``n`` tokens whose shard holds ``positions`` (global, host or
+    device; the padding's >= n), and the SP group rank holding the prompt's last token. One all-gather of
+    two numbers per rank (any layout, ``auto`` included, without recomputing the cut)."""
+    group = topology.sp_group
+    positions = positions.cpu()
+    keep = (positions < n).nonzero().flatten()
+    mine = torch.tensor([keep.numel(), int(bool((positions == n - 1).any()))])
+    every = torch.empty(topology.sp_size * 2, dtype=torch.int64)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    counts, holds_last = every.view(-1, 2).T.tolist()
+    if cache.limit is None:
+        capacities, grow_by = counts, cache.block
+    else:
+        capacities, grow_by = _final_counts(counts, cache.limit), 0
+    return PrefillShard(keep, positions[keep], dist.get_rank(group), counts, capacities, grow_by), holds_last.index(1)
+
+
+def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwargs: dict[str, Any]) -> Any:
+    """One forward of ``generate()`` on a :class:`RingSPCache`: the prefill over the grid, or a decode step."""
+    cache: RingSPCache = kwargs["past_key_values"]
+    ids = kwargs.get("input_ids")
+    where = model_name(getattr(model, "config", None))
+    if ids is None:
+        raise UnsupportedFeatureError(f"{where}: a forward on a RingSPCache needs input_ids (inputs_embeds are not cut)")
+    if cache.get_seq_length():
+        if ids.shape[1] != 1:
+            raise UnsupportedFeatureError(f"{where}: {ids.shape[1]} new tokens against a RingSPCache of "
+                                          f"{cache.get_seq_length()} (chunked prefill, a second turn, speculative "
+                                          f"decoding) is not supported; ring_sp decodes one token per step")
+        token = _DECODING.set(_Decoding(cache, ids[:, -1]))
+        try:
+            return call(**kwargs)
+        finally:
+            _DECODING.reset(token)
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):  # the same prompt and mask on every rank (agreed)
+        raise UnsupportedFeatureError(f"{where}: the prompt's attention_mask has zeros (padding, or pad_token_id "
+                                      f"inside the prompt, which generate() masks out) and ring_sp does not mask keys; "
+                                      f"generate each prompt length as its own batch, with a pad_token_id the prompt "
+                                      f"does not contain")
+    topology, layout = registration.topology, registration.layout
+    b, n = ids.shape
+    padded = padded_length(n, "zigzag" if layout in ("auto", "document_zigzag") else layout, topology.sp_size)
+    full = torch.cat([ids, ids.new_zeros(b, padded - n)], dim=1)  # never seen by the prompt's tokens (causal)
+    # the prompt's shard as the attention takes it (checked there: exactly the layout's positions for this rank)
+    shard = shard_batch({"input_ids": full}, rank=topology.sp_rank, world_size=topology.sp_size, layout=layout,
+                        shift=False)
+    shard.pop("labels")
+    positions = shard["position_ids"][0]
+    prefill, owner = _prefill_shard(cache, topology, n, positions)
+    last = (positions == n - 1).nonzero().flatten()  # the prompt's last token, on the owner
+    index = torch.tensor([int(last[0]) if last.numel() else 0], device=ids.device)
+    rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids", "cache_position",
+                                                         "logits_to_keep")}
+    with _prefilling(cache, prefill):
+        out = call(**rest, **shard, **({"logits_to_keep": index} if "logits_to_keep" in kwargs else {}))
+    logits = (out.logits if "logits_to_keep" in kwargs else out.logits[:, index]).contiguous()
+    dist.broadcast(logits, src=dist.get_global_rank(topology.sp_group, owner), group=topology.sp_group)
+    out.logits = logits
+    out.past_key_values = cache
+    return out
+
+
+def decode_call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kwargs: dict[str, Any], registration: Any) -> torch.Tensor:
+    """A decode step's attention layer: the new token against every rank's shard -> ``[b, 1, h, d_v]``."""
+    state = _DECODING.get()
+    options = ring_sp_call_options(module, query, key, None, kwargs, layout=registration.layout,
+                                   backend=registration.backend)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [b, h, 1, d] -> ring_sp [b, 1, h, d]
+    return decode_attention(q, k, v, state.cache.shard(module.layer_idx), group=registration.topology.sp_group,
+                            scale=options["softmax_scale"], window=options["sliding_window"], sinks=options["sinks"],
+                            backend=registration.backend, agree=state.tokens)
+
+
+__all__ = ["cached_forward", "decode_call", "decoding", "generate_together"]

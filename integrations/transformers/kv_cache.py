@@ -1,0 +1,149 @@
+"""``RingSPCache``: transformers' ``Cache`` holding a KV cache sharded over the SP group.
+
+Each attention layer's entry is a :class:`ring_sp.decode.ShardedKVCache`: this rank's keys and
+values ``[b, capacity, h_kv, d]`` (ring_sp's layout) at their global positions, 1/P of one
+device's cache. transformers' attention layers call :meth:`RingSPCache.update` with their
+new keys and values before attending:
+
+* in the prefill (:mod:`.generation` cut the prompt into this rank's shard), ``update`` keeps the
+  shard's keys and values (not the padding the cut added) and hands them back unchanged to the
+  grid attention, which runs as in training;
+* in a decode step ``update`` hands the new token back unchanged: the attention stores it on one
+  rank and attends over every shard (:func:`ring_sp.decode.decode_attention`).
+
+Lengths are global: :meth:`get_seq_length` is the number of tokens cached over all ranks, the
+position of the next token, as transformers' ``generate()`` expects. Without ``max_cache_len``
+each rank's storage grows by ``block`` tokens when a token is assigned to it full (one copy per
+``block`` tokens it receives): a rank holds at most its share plus one block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ring_sp.decode import ShardedKVCache
+
+from .features import UnsupportedFeatureError
+
+
+@dataclass(frozen=True)
+class PrefillShard:
+    """What this rank holds of a prompt being prefilled: ``keep`` (indices into its shard of the tokens
+    that are the prompt's, not the cut's padding), their global ``positions`` (host), and every SP
+    group rank's cached ``counts`` and ``capacities`` afterwards (the same lists on every rank)."""
+
+    keep: torch.Tensor
+    positions: torch.Tensor
+    rank: int
+    counts: list[int]
+    capacities: list[int]
+    grow_by: int
+
+
+class ShardedLayer(CacheLayerMixin):
+    """One attention layer's entry of :class:`RingSPCache` (``shard``: None until the prefill)."""
+
+    is_compileable = False  # a collective per call: never under generate()'s auto-compile
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shard: ShardedKVCache | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def fill(self, key_states: torch.Tensor, value_states: torch.Tensor, prefill: PrefillShard) -> None:
+        """Keep the prompt's keys/values ``[b, h_kv, n_shard, d]`` (transformers' layout) of this rank's shard."""
+        k, v = (t.transpose(1, 2)[:, prefill.keep] for t in (key_states, value_states))  # -> [b, kept, h_kv, d]
+        self.shard = ShardedKVCache.holding(k, v, prefill.positions, rank=prefill.rank, counts=prefill.counts,
+                                            capacities=prefill.capacities, grow_by=prefill.grow_by)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return 0 if self.shard is None else self.shard.total
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1 if self.shard is None or self.shard.grow_by else sum(self.shard.capacities)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.shard is None else self.shard.nbytes
+
+
+class RingSPCache(Cache):
+    """A KV cache sharded over the SP group of a ``"ring_sp"`` model, for ``model.generate``.
+
+    ``model.generate(input_ids, past_key_values=RingSPCache(), ...)`` (or no ``past_key_values``:
+    ``generate`` then makes one) on every rank of the SP group with the same prompt and
+    arguments. ``max_cache_len``: the tokens the cache holds in all (prompt + new; a generation
+    that would exceed it raises on every rank before the prefill); None: each rank grows by
+    ``block`` tokens as needed. Pass a fresh (empty) cache per ``generate`` call.
+    """
+
+    is_ring_sp = True  # what the forward guard looks for (attention.py imports nothing of transformers)
+
+    def __init__(self, max_cache_len: int | None = None, *, block: int = 256) -> None:
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise ValueError(f"max_cache_len={max_cache_len!r} must be a positive int (tokens in all) or None (grow)")
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+            raise ValueError(f"block={block!r} must be a positive int (tokens a full rank grows by)")
+        super().__init__(layers=[])
+        self.limit = max_cache_len  # (Cache has a read-only max_cache_len)
+        self.block = block
+        self.prefill: PrefillShard | None = None  # set by .generation around the prefill's forward
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(ShardedLayer())
+        if self.prefill is not None:
+            self.layers[layer_idx].fill(key_states, value_states, self.prefill)
+        return key_states, value_states
+
+    def shard(self, layer_idx: int) -> ShardedKVCache:
+        """Layer ``layer_idx``'s :class:`ring_sp.decode.ShardedKVCache` (after the prefill)."""
+        shard = self.layers[layer_idx].shard if layer_idx < len(self.layers) else None
+        if shard is None:
+            raise RuntimeError(f"layer {layer_idx} of the RingSPCache holds no prefill: generate() fills it")
+        return shard
+
+    @property
+    def nbytes(self) -> int:
+        """This rank's cache storage in bytes, every layer."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def _refuse(self, what: str) -> UnsupportedFeatureError:
+        return UnsupportedFeatureError(f"RingSPCache cannot {what}: ring_sp generates with greedy or sampled decoding "
+                                       f"(num_beams=1, no assistant model), one token per step")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise self._refuse("reorder its rows (beam search)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:  # DeferredStopCheck crops nothing (0) after a step
+            raise self._refuse("crop tokens (assisted / speculative decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise self._refuse("repeat its rows after the prefill")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise self._refuse("select rows (contrastive search)")
+
+
+__all__ = ["PrefillShard", "RingSPCache", "ShardedLayer"]

@@ -1,0 +1,165 @@
+"""``model.generate()`` on a ``"ring_sp"`` model over 4 SP ranks (issue 46): the prompt prefilled over the
+grid into a KV cache sharded 1/P per rank, each token decoded against it.
+
+The oracle is the same model (same weights) generating on one rank with transformers' own attention
+(sdpa; eager for gpt-oss's sinks): every rank's tokens equal it, and every step's logits are within
+1e-5 relative (fp32). Grids U2xR2, U1xR4 and R4 (U1xR4) with windows and sinks; greedy and seeded
+sampling; the cache gathered over the ranks equals one rank's DynamicCache, each rank holding its
+share. Bad input (another prompt, other arguments or seed on one rank, a cache too small, beam
+search) is one clear error on every rank, before the prefill.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="transformers is not installed (pip install 'ring-sp[transformers]')")
+
+LOGITS_RTOL = 1e-5  # fp32, relative to the largest logit of the step
+
+
+def _models(arch: str, **overrides: Any):
+    from test_transformers import _models as models
+
+    reference, model = models(arch, torch.float32, "from_config", max_position_embeddings=8192, **overrides)
+    return reference.eval(), model.eval()
+
+
+def _compare(expected: Any, got: Any) -> dict[str, Any]:
+    """Tokens equal, and the worst step's logits error relative to that step's largest logit."""
+    errors = [((a - b).abs().max() / a.abs().max()).item() for a, b in zip(expected.logits, got.logits)]
+    return {"tokens_equal": torch.equal(expected.sequences, got.sequences), "steps": len(got.logits),
+            "logits_rel": max(errors), "new_tokens": got.sequences.shape[1] - expected.sequences.shape[1] + len(got.logits)}
+
+
+def generate_case(arch: str, u: int, r: int, layout: str, prompt_len: int, new: int, sample: bool = False,
+                  rows: int = 1, **overrides: Any) -> dict[str, Any]:
+    """One grid's generate() against one rank's, the cache's bytes per rank and its gathered contents."""
+    import torch.distributed as dist
+
+    import dist_cases
+    import ring_sp.integrations.transformers as rsp_hf
+    from transformers import DynamicCache, set_seed
+
+    topo = dist_cases.topology(u, r)
+    rsp_hf.register(topo, layout=layout)
+    reference, model = _models(arch, **overrides)
+    for m in (reference, model):
+        m.generation_config.eos_token_id = None  # every step generated (a random model may emit eos early)
+    # no pad token (0) inside the prompt: generate() would mask it as padding
+    prompt = torch.randint(1, model.config.vocab_size, (rows, prompt_len), generator=torch.Generator().manual_seed(11))
+    options = dict(max_new_tokens=new, do_sample=sample, output_logits=True, return_dict_in_generate=True,
+                   pad_token_id=0, top_k=None, top_p=None)
+    set_seed(5)
+    ref_cache = DynamicCache(config=reference.config)
+    expected = reference.generate(prompt, past_key_values=ref_cache, **options)
+    set_seed(5)
+    cache = rsp_hf.RingSPCache()
+    got = model.generate(prompt, past_key_values=cache, **options)
+    out = _compare(expected, got)
+    out["cache_bytes"] = cache.nbytes
+    total = prompt_len + new - 1  # cached tokens: the last generated one is never run through the model
+    out["one_rank_bytes"] = total * sum(cache.shard(i).k[:, 0].numel() * 4 + cache.shard(i).v[:, 0].numel() * 4
+                                        for i in range(len(ref_cache.layers)))  # every token's keys and values
+    # the shards gathered over the SP group are one rank's cache (every layer, key and value, in position order)
+    worst = 0.0
+    for i, layer in enumerate(ref_cache.layers):
+        shard = cache.shard(i)
+        mine = (shard.positions[: shard.length], shard.k[:, : shard.length], shard.v[:, : shard.length])
+        every: list[Any] = [None] * topo.sp_size
+        dist.all_gather_object(every, mine, group=topo.sp_group)
+        positions = torch.cat([e[0] for e in every])
+        order = positions.argsort()
+        assert torch.equal(positions[order], torch.arange(len(positions)))
+        k = torch.cat([e[1] for e in every], dim=1)[:, order]
+        v = torch.cat([e[2] for e in every], dim=1)[:, order]
+        kept = layer.keys.shape[2]  # one rank's cache: every cached token, or a sliding layer's last ones
+        assert len(positions) == total
+        worst = max(worst, (k[:, total - kept:] - layer.keys.transpose(1, 2)).abs().max().item(),
+                    (v[:, total - kept:] - layer.values.transpose(1, 2)).abs().max().item())
+    out["cache_error"] = worst
+    out["counts"] = cache.shard(0).counts
+    out["layers"] = len(ref_cache.layers)
+    return out
+
+
+def _check(results: list[dict[str, Any]], prompt_len: int, new: int, ranks: int = 4) -> None:
+    for rank, res in enumerate(results):
+        assert res["tokens_equal"], f"rank {rank}: {res}"
+        assert res["steps"] == new and res["logits_rel"] < LOGITS_RTOL, f"rank {rank}: {res}"
+        assert res["cache_error"] < 1e-5, f"rank {rank}: {res}"
+        total = prompt_len + new - 1
+        assert sum(res["counts"]) == total and max(res["counts"]) - min(res["counts"]) <= 2, res["counts"]
+        per_token = res["one_rank_bytes"] / total  # keys and values of every layer, per token
+        slots = res["cache_bytes"] / (per_token + 8 * res["layers"])  # + each layer's int64 position per slot
+        assert slots <= total / ranks + 256, res  # 1/P of one rank's tokens + one growth block (256)
+    assert all(r == results[0] for r in results), results  # every rank alike
+
+
+@pytest.mark.parametrize("u,r,layout", [(2, 2, "zigzag"), (1, 4, "contiguous")], ids=["U2xR2-zigzag", "U1xR4-contiguous"])
+def test_greedy_generation_equals_one_rank(pools, u: int, r: int, layout: str) -> None:
+    _check(pools.get(4).run(generate_case, "llama", u, r, layout, 4096, 64, timeout=300), 4096, 64)
+
+
+@pytest.mark.parametrize("arch,u,r,layout,sample", [
+    ("mistral", 1, 4, "zigzag", False),   # R4 with a sliding window across the shards
+    ("gpt_oss", 2, 2, "zigzag", True),    # sinks, a sliding then a full layer; seeded sampling
+], ids=["mistral-window-U1xR4-greedy", "gpt_oss-sinks-window-U2xR2-sampled"])
+def test_windows_sinks_and_sampling_equal_one_rank(pools, arch: str, u: int, r: int, layout: str, sample: bool) -> None:
+    overrides = {"sliding_window": 300} if arch == "mistral" else {}
+    _check(pools.get(4).run(generate_case, arch, u, r, layout, 1000, 24, sample, 2, timeout=300, **overrides), 1000, 24)
+
+
+def bad_generation_case(what: str) -> str:
+    """One bad input on one rank or every rank: the error every rank raises (or "no error")."""
+    import torch.distributed as dist
+
+    import dist_cases
+    import ring_sp.integrations.transformers as rsp_hf
+    from transformers import set_seed
+
+    topo = dist_cases.topology(2, 2)
+    rsp_hf.register(topo)
+    _, model = _models("llama")
+    rank = dist.get_rank()
+    prompt = torch.randint(1, 64, (1, 40), generator=torch.Generator().manual_seed(3))
+    options: dict[str, Any] = dict(max_new_tokens=4, pad_token_id=0)
+    set_seed(1)
+    if what == "prompt" and rank == 2:
+        prompt = prompt.flip(1)
+    if what == "arguments" and rank == 1:
+        options["max_new_tokens"] = 5
+    if what == "seed":
+        options["do_sample"] = True
+        set_seed(rank)
+    if what in ("small_cache", "exact_cache"):  # the prompt's 40 tokens and 4 new ones (the last one not cached)
+        options["past_key_values"] = rsp_hf.RingSPCache(max_cache_len=43 if what == "small_cache" else 44)
+    if what == "beams":
+        options["num_beams"] = 2
+    if what == "pad_in_prompt":
+        prompt[0, 7] = 0
+    try:
+        model.generate(prompt, **options)
+    except (ValueError, RuntimeError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("what,pattern", [
+    ("prompt", r"rank\(s\) \[2\].*generate\(input_ids \(1, 40\), prompt checksum"),
+    ("arguments", r"rank\(s\) \[1\].*arguments checksum"),
+    ("seed", r"random state .*seed every rank alike"),
+    ("small_cache", r"need 44 cached tokens, but RingSPCache\(max_cache_len=43\)"),
+    ("exact_cache", r"^no error$"),  # fixed capacities (where the owner rule puts every token) hold it exactly
+    ("beams", r"beam search \(num_beams=2\) cannot run exactly.*num_beams=1"),
+    ("pad_in_prompt", r"attention_mask has zeros \(padding, or pad_token_id inside the prompt"),
+])
+def test_bad_generation_input_is_one_error_on_every_rank(pools, what: str, pattern: str) -> None:
+    for rank, error in enumerate(pools.get(4).run(bad_generation_case, what, timeout=120)):
+        assert re.search(pattern, error, re.S), f"rank {rank}: {error}"

@@ -553,6 +553,19 @@ def test_unsupported_features_raise_on_every_rank_before_any_collective(pools) -
 
 # ---------------------------------------------------------------- generation
 
+class _Collect:
+    """A transformers streamer (``put`` / ``end``) that keeps what it is given."""
+
+    def __init__(self, into: list) -> None:
+        self.into = into
+
+    def put(self, value: torch.Tensor) -> None:
+        self.into.append(value.tolist())
+
+    def end(self) -> None:
+        self.into.append("end")
+
+
 def generation_case() -> dict[str, Any]:
     """generate() at U2xR2 (a batch of 2 prompts) equals a model that never ran ring_sp; a training step
     after it, in the same processes, equals one rank's; and generate() after the step equals one rank's
@@ -567,6 +580,14 @@ def generation_case() -> dict[str, Any]:
     options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     out: dict[str, Any] = {"sp_generates_the_same": torch.equal(model.generate(prompt, **options),
                                                                 reference.generate(prompt, **options))}
+    # eos_token_id (a token the first row emits at its 3rd step: that row stops, padded, the other goes on) and a
+    # streamer: what each streams equals the reference's
+    eos = int(reference.generate(prompt, **options)[0, 8])
+    streamed: dict[str, list] = {"sp": [], "reference": []}
+    for name, m in (("sp", model), ("reference", reference)):
+        streamer = _Collect(streamed[name])
+        streamed[name].append(m.generate(prompt, **options, eos_token_id=eos, streamer=streamer).tolist())
+    out["eos_and_streamer_the_same"] = streamed["sp"] == streamed["reference"] and len(streamed["sp"]) > 2
     batch = _global_batch(packed=True)
     ref_logits, ref_loss, ref_grads = _reference_run(reference, batch)
     shard, gathered, loss, grads = _sp_run(model, batch, topo)
@@ -588,6 +609,7 @@ def generation_case() -> dict[str, Any]:
 def test_generate_on_sp_ranks_and_training_on_in_the_same_processes(pools) -> None:
     for rank, res in enumerate(pools.get(4).run(generation_case, timeout=300)):
         assert res["sp_generates_the_same"] and res["after_step_the_same"], (rank, res)
+        assert res["eos_and_streamer_the_same"], (rank, res)
         assert res["one_rank_generates_the_same"], (rank, res)
         _check_fp32([res["train"]])
 

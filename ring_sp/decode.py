@@ -99,15 +99,8 @@ class ShardedKVCache:
         if counts[rank] != k.shape[1] or capacities[rank] < k.shape[1] or positions.shape != (k.shape[1],):
             raise ValueError(f"rank {rank} holds {k.shape[1]} tokens at {tuple(positions.shape)} positions, but its count "
                              f"is {counts[rank]} and its capacity {capacities[rank]}")
-        capacity = capacities[rank]
-        cache = ShardedKVCache(k.new_empty(k.shape[0], capacity, *k.shape[2:]),
-                               v.new_empty(v.shape[0], capacity, *v.shape[2:]),
-                               torch.full((capacity,), -1, dtype=torch.int64), rank, list(counts), list(capacities),
-                               grow_by)
-        cache.k[:, : k.shape[1]] = k
-        cache.v[:, : v.shape[1]] = v
-        cache.positions[: k.shape[1]] = positions.cpu()
-        return cache
+        return ShardedKVCache(*_slots(k, v, positions.cpu(), capacities[rank]), rank, list(counts), list(capacities),
+                              grow_by)
 
     def next_owner(self) -> int:
         """The rank the next token's key and value go to: the fewest cached tokens, ties the lowest rank."""
@@ -135,11 +128,18 @@ class ShardedKVCache:
     def _grow(self, capacity: int) -> None:
         """Move this rank's tokens into storage for ``capacity`` (one copy per ``grow_by`` tokens it receives)."""
         n = self.length
-        k, v, positions = self.k, self.v, self.positions
-        self.k = k.new_empty(k.shape[0], capacity, *k.shape[2:])
-        self.v = v.new_empty(v.shape[0], capacity, *v.shape[2:])
-        self.positions = torch.full((capacity,), -1, dtype=torch.int64)
-        self.k[:, :n], self.v[:, :n], self.positions[:n] = k[:, :n], v[:, :n], positions[:n]
+        self.k, self.v, self.positions = _slots(self.k[:, :n], self.v[:, :n], self.positions[:n], capacity)
+
+
+def _slots(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+           capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Storage for ``capacity`` tokens holding ``k`` ``[b, n, h_kv, d]`` / ``v`` at host ``positions`` ``[n]``
+    in its first ``n`` slots (the rest empty: position -1)."""
+    n = k.shape[1]
+    keys, values = k.new_empty(k.shape[0], capacity, *k.shape[2:]), v.new_empty(v.shape[0], capacity, *v.shape[2:])
+    slots = torch.full((capacity,), -1, dtype=torch.int64)
+    keys[:, :n], values[:, :n], slots[:n] = k, v, positions
+    return keys, values, slots
 
 
 def _visible(cache: ShardedKVCache, position: int, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,11 +63,14 @@ def timed_generate(model: torch.nn.Module, prompt: torch.Tensor, options: dict, 
     return out, prefill, (total - prefill) / max(options["max_new_tokens"] - 1, 1), cache
 
 
+def head_dim(config: object) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def all_gather_seconds(model: torch.nn.Module, group: dist.ProcessGroup, rows: int, repeats: int = 50) -> float:
     """One decode step's all-gathers, timed alone: every layer's message (partial out + lse + stamps, fp32)."""
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    numel = rows * config.num_attention_heads * (head_dim + 1) + rows + 2
+    numel = rows * config.num_attention_heads * (head_dim(config) + 1) + rows + 2
     mine = torch.zeros(numel)
     out = torch.empty(numel * dist.get_world_size(group))
     dist.barrier(group=group)
@@ -80,9 +83,8 @@ def all_gather_seconds(model: torch.nn.Module, group: dist.ProcessGroup, rows: i
 def kv_bytes_per_token(model: torch.nn.Module, rows: int) -> int:
     """One rank's KV cache bytes per token (every layer's keys and values, the model's dtype)."""
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element = next(model.parameters()).element_size()
-    return rows * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * element
+    return rows * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim(config) * element
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -64,7 +64,7 @@ _SPECULATIVE = ("assistant_model", "assistant_tokenizer", "custom_generate", "in
 @dataclass(frozen=True)
 class _Decoding:
     cache: RingSPCache
-    tokens: torch.Tensor  # the step's token ids [b], compared across ranks by the first layer's all-gather
+    tokens: torch.Tensor  # the step's token ids [b], compared across ranks in every layer's all-gather
 
 
 _DECODING: ContextVar[_Decoding | None] = ContextVar("ring_sp_decoding", default=None)
@@ -96,10 +96,9 @@ def _local_error(model: Any, prompt: Any, config: Any, kwargs: dict[str, Any]) -
         if refused(config):
             return UnsupportedFeatureError(f"{where}: {what.format(config)} cannot run exactly over a sharded KV cache "
                                            f"in ring_sp; {fix}")
-    mask = kwargs.get("attention_mask")
-    if mask is not None and not bool(torch.as_tensor(mask).all()):
-        return UnsupportedFeatureError(f"{where}: an attention_mask with zeros (padded prompts of different lengths) is not "
-                                       f"supported on SP ranks; generate each prompt length as its own batch")
+    padding = _padding_error(where, kwargs.get("attention_mask"))  # a mask given: each rank's own (not agreed)
+    if padding is not None:
+        return padding
     cache = kwargs.get("past_key_values")
     if cache is not None and not isinstance(cache, RingSPCache):
         return TypeError(f"{where}: past_key_values must be a ring_sp RingSPCache on SP ranks (each rank holds its shard "
@@ -115,6 +114,16 @@ def _local_error(model: Any, prompt: Any, config: Any, kwargs: dict[str, Any]) -
                           f"need {wanted} cached tokens, but RingSPCache(max_cache_len={limit}); size it for "
                           f"prompt + max_new_tokens")
     return None
+
+
+def _padding_error(where: str, mask: Any) -> UnsupportedFeatureError | None:
+    """The error of an attention_mask with zeros (None without one): given by the user, or made by
+    ``generate()`` from a ``pad_token_id`` inside the prompt; ring_sp masks no keys."""
+    if mask is None or bool(torch.as_tensor(mask).all()):
+        return None
+    return UnsupportedFeatureError(f"{where}: the prompt's attention_mask has zeros (padding, or pad_token_id inside "
+                                   f"the prompt, which generate() masks out) and ring_sp does not mask keys; generate "
+                                   f"each prompt length as its own batch, with a pad_token_id the prompt does not contain")
 
 
 def _arguments_code(config: Any, kwargs: dict[str, Any]) -> int:
@@ -225,12 +234,9 @@ def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwar
             return call(**kwargs)
         finally:
             _DECODING.reset(token)
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not bool(mask.all()):  # the same prompt and mask on every rank (agreed)
-        raise UnsupportedFeatureError(f"{where}: the prompt's attention_mask has zeros (padding, or pad_token_id "
-                                      f"inside the prompt, which generate() masks out) and ring_sp does not mask keys; "
-                                      f"generate each prompt length as its own batch, with a pad_token_id the prompt "
-                                      f"does not contain")
+    padding = _padding_error(where, kwargs.get("attention_mask"))  # generate()'s mask: from the agreed prompt
+    if padding is not None:
+        raise padding
     topology, layout = registration.topology, registration.layout
     b, n = ids.shape
     padded = padded_length(n, "zigzag" if layout in ("auto", "document_zigzag") else layout, topology.sp_size)

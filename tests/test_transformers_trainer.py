@@ -62,8 +62,27 @@ def _step_counter() -> Any:
     return StepCounter()
 
 
-def train_case(argv: list[str], output_dir: str, resume: str | None = None) -> dict[str, Any]:
-    """Build the example's Trainer, train; per-step loss and grad norm, final full fp32 parameters."""
+def _generation_callback() -> Any:
+    """rsp_hf.GenerationCallback sampling 8 tokens after 2 prompts every 2 steps (and after the last), noting
+    whether each call left the random state and the model's mode as they were (``.untouched``)."""
+    import ring_sp.integrations.transformers as rsp_hf
+
+    class Checked(rsp_hf.GenerationCallback):
+        untouched: list[bool] = []
+
+        def generate(self, model: torch.nn.Module, step: int) -> torch.Tensor:
+            state, mode = torch.get_rng_state(), model.training
+            tokens = super().generate(model, step)
+            self.untouched = [*self.untouched, torch.equal(state, torch.get_rng_state()) and model.training == mode]
+            return tokens
+
+    prompts = torch.randint(1, 256, (2, 13), generator=torch.Generator().manual_seed(5))
+    return Checked(prompts, every=2, seed=7, max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0)
+
+
+def train_case(argv: list[str], output_dir: str, resume: str | None = None, generate: bool = False) -> dict[str, Any]:
+    """Build the example's Trainer, train; per-step loss and grad norm, final full fp32 parameters.
+    ``generate``: with :func:`_generation_callback` (its tokens per call, and whether it left training alone)."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -72,6 +91,9 @@ def train_case(argv: list[str], output_dir: str, resume: str | None = None) -> d
     trainer = _example().build_trainer([*argv, "--output-dir", output_dir])
     trained = _step_counter()
     trainer.add_callback(trained)
+    sampler = _generation_callback() if generate else None
+    if sampler is not None:
+        trainer.add_callback(sampler)
     trainer.train(resume_from_checkpoint=resume)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     evals = [(entry["step"], entry["eval_loss"]) for entry in trainer.state.log_history if "eval_loss" in entry]
@@ -85,6 +107,9 @@ def train_case(argv: list[str], output_dir: str, resume: str | None = None) -> d
         final["final_eval"] = trainer.evaluate()["eval_loss"]
         if topology is None:
             final["token_mean"] = _token_mean(trainer)
+    if sampler is not None:
+        final["generations"] = [(g["step"], g["tokens"].tolist()) for g in sampler.generations]
+        final["generation_left_training_alone"] = sampler.untouched
     return {**final,
         "steps": [entry["step"] for entry in logs], "loss": [entry["loss"] for entry in logs], "trained": trained.steps,
         "grad_norm": [entry["grad_norm"] for entry in logs], "params": params, "evals": evals,
@@ -140,7 +165,7 @@ def _compare(results: list[dict[str, Any]], ref: dict[str, Any], *, evals: bool 
 
 
 @pytest.mark.parametrize("stage,grid,micro,pack,tiled", [
-    (1, ("2", "2"), 2, False, False),
+    (1, ("2", "2"), 2, False, False),  # with rsp_hf.GenerationCallback sampling during training
     (1, ("2", "2"), 2, True, True),  # the long-sequence step: the section's tiled_mlp / tiled_loss
     pytest.param(3, ("1", "2"), 1, False, False, marks=pytest.mark.slow),  # ZeRO-3 x DP2 (also: test_transformers.py)
     pytest.param(2, ("2", "2"), 2, True, False, marks=pytest.mark.slow),
@@ -155,6 +180,9 @@ def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tup
     DP = 2 checks that the replicas split the samples and that the token count spans them;
     packed: DataCollatorWithFlattening rows (documents of unequal length, so the SP ranks
     hold unequal numbers of valid tokens) against sdpa's own packed-sequence masking.
+    Unpacked U2xR2 runs GenerationCallback too (both runs): the tokens it samples after steps 2
+    and 3 over the SP ranks equal the reference's, and it leaves the training's random state and
+    the model's mode as they were.
     """
     _example()  # the rank functions import it by module name
     # held-out windows hold equal numbers of tokens, so the plain Trainer's eval_loss (a mean of batch means) is the
@@ -162,16 +190,23 @@ def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tup
     evaluate = ["--eval-steps", "1", "--eval-samples", "8"]
     common = [*TINY, "--zero-stage", str(stage), *(["--pack-documents"] if pack else []), *evaluate]
     long_sequence = ["--tiled-mlp", "--tiled-loss", "--tile-tokens", "5"] if tiled else []
+    generate = stage == 1 and not pack
     sp = pools.get(4, env=DS_ENV).run(
         train_case, [*common, *long_sequence, "--ulysses-size", grid[0], "--ring-size", grid[1], "--micro-batch",
-                     str(micro)], str(tmp_path / "sp"), timeout=300)
+                     str(micro)], str(tmp_path / "sp"), generate=generate, timeout=300)
     assert all(res["tiled"] == (tiled, tiled) for res in sp)
     dp = sp[0]["dp_size"]
     assert [res["dp_size"] for res in sp] == [4 // (int(grid[0]) * int(grid[1]))] * 4
     assert all(res["zero_stage"] == stage for res in sp)
     (ref,) = pools.get(1, env=DS_ENV).run(
-        train_case, [*common, "--no-ring-sp", "--micro-batch", str(micro * dp)], str(tmp_path / "ref"), timeout=300)
+        train_case, [*common, "--no-ring-sp", "--micro-batch", str(micro * dp)], str(tmp_path / "ref"),
+        generate=generate, timeout=300)
     _compare(sp, ref, evals=not pack)
+    if generate:
+        assert [step for step, _ in ref["generations"]] == [2, 3] and all(ref["generation_left_training_alone"])
+        for res in sp:
+            assert res["generations"] == ref["generations"], (res["generations"], ref["generations"])
+            assert all(res["generation_left_training_alone"])
     assert [step for step, _ in ref["evals"]] == [1, 2, 3]
     for res in sp:  # the final evaluate(): the exact token mean of the held-out set, packed or not
         assert _rel(res["final_eval"], ref["token_mean"]) < 1e-5, (res["final_eval"], ref["token_mean"])

@@ -18,10 +18,13 @@ becomes ``prepare_sequence_parallel``'s keywords; checkpoints and ``--resume`` w
 each document). ``--no-ring-sp`` trains the same model with ``attn_implementation="sdpa"`` and the same
 global batch without sequence parallelism (run it on one rank: ``NUM_RANKS=1``), the
 reference the ring_sp loss curve matches. ``--eval-steps K`` evaluates on held-out text every
-K steps (the exact eval loss, the token mean over ``--eval-samples`` samples). Prints a tqdm bar (loss, tokens/s) on stderr
-and, with ``--log-json``, one ``{"step", "loss", "tokens_per_s"}`` per step on stdout
-(tokens/s counts ``seq_len`` per sample: an upper bound with ``--pack-documents``) and one
-``{"step", "eval_loss"}`` per evaluation.
+K steps (the exact eval loss, the token mean over ``--eval-samples`` samples). ``--generate-every K``
+samples the model's continuation of a held-out prompt every K steps, in the training processes
+(``rsp_hf.GenerationCallback``: ``generate()`` over the SP ranks, the training left bit for bit
+as it was). Prints a tqdm bar (loss, tokens/s) on stderr and, with ``--log-json``, one
+``{"step", "loss", "tokens_per_s"}`` per step on stdout (tokens/s counts ``seq_len`` per sample:
+an upper bound with ``--pack-documents``), one ``{"step", "eval_loss"}`` per evaluation and one
+``{"step", "sample"}`` per generation.
 
 Checkpoints: ``--save-steps K`` writes ``checkpoint-K, 2K, ...`` into ``--output-dir``, each
 marked complete only once every rank has written it; ``--resume`` continues from the newest
@@ -32,6 +35,7 @@ dies makes the others stop with an error naming it (``--timeout-s`` bounds the w
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import warnings
 from collections.abc import Callable
@@ -54,6 +58,7 @@ from ring_sp.nodes import describe_links  # noqa: E402
 from ring_sp.integrations.transformers.trainer import (SequenceParallelTrainer,  # noqa: E402  # ring_sp
                                                        prepare_sequence_parallel)
 from ring_sp.integrations.transformers.trainer_setup import newest_complete_checkpoint  # noqa: E402
+from ring_sp.integrations.transformers.generation_callback import GenerationCallback  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).resolve().with_name("trainer_ds_config.json")
 
@@ -80,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-steps", type=int, default=0,
                    help="evaluate on --eval-samples held-out samples every N steps (eval_strategy='steps'): the exact "
                         "eval loss; 0: never")
+    p.add_argument("--generate-every", type=int, default=0,
+                   help="sample --generate-tokens tokens after a held-out prompt every N steps and after the last, in "
+                        "the training processes (rsp_hf.GenerationCallback; over the SP ranks); 0: never")
+    p.add_argument("--generate-tokens", type=int, default=32, help="new tokens per --generate-every sample")
     return p.parse_args(argv)
 
 
@@ -133,6 +142,21 @@ class JsonProgress(TrainerCallback):
             self.progress.step(state.global_step, float(logs["loss"]), self.tokens_per_step)
         if logs and "eval_loss" in logs:
             self.progress.log(state.global_step, eval_loss=float(logs["eval_loss"]))
+
+
+def sample_callback(args: argparse.Namespace) -> GenerationCallback:
+    """The model's continuation of a held-out prompt (half a sequence) every ``--generate-every`` steps,
+    sampled (top-k 20), printed by rank 0 as a JSON line ``{"step", "sample"}`` with ``--log-json``."""
+    prompt = split_corpus(corpus_tokens(args.corpus_bytes))[1][: args.seq_len // 2].unsqueeze(0)
+
+    def show(step: int, tokens: torch.Tensor) -> None:
+        if dist.get_rank() == 0:
+            text = bytes(tokens[0, prompt.shape[1]:].tolist()).decode("utf-8", errors="replace")
+            print(json.dumps({"step": step, "sample": text}) if args.log_json else f"step {step}: {text!r}",
+                  file=sys.stdout if args.log_json else sys.stderr, flush=True)
+
+    return GenerationCallback(prompt, every=args.generate_every, seed=args.seed, on_generate=show,
+                              max_new_tokens=args.generate_tokens, do_sample=True, top_k=20, pad_token_id=0)
 
 
 def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
@@ -193,6 +217,8 @@ def build_trainer(argv: list[str] | None = None) -> SequenceParallelTrainer:
     trainer.add_callback(JsonProgress(args.steps, samples_per_step * args.seq_len, log_json=args.log_json))
     if fault is not None:
         trainer.add_callback(StepWatch(fault.at_step))
+    if args.generate_every:
+        trainer.add_callback(sample_callback(args))
     trainer.ring_sp_example_args = args
     return trainer
 

@@ -21,7 +21,8 @@
 * ``model.generate(...)`` on every rank of the SP group: the prompt prefilled over the grid into
   a KV cache sharded over the ranks (:class:`RingSPCache`, exported lazily: it imports
   transformers), each token decoded against it; greedy and sampling, equal to one device's
-  (:mod:`.generation`).
+  (:mod:`.generation`); :class:`GenerationCallback` samples the model every N steps of a Trainer,
+  in the training processes, leaving the training bit for bit as it was.
 * :class:`UnsupportedFeatureError`: what an unsupported model feature raises, on every rank,
   before any collective (chunked attention, attention dropout, padding or custom masks;
   beam search or speculative decoding in ``generate()``).
@@ -45,8 +46,9 @@ from .loss import causal_lm_loss
 
 
 def __getattr__(name: str) -> object:
-    """``SequenceParallelSFTTrainer`` from :mod:`.sft_trainer` (it imports trl) and ``RingSPCache`` from
-    :mod:`.kv_cache` (it imports transformers), imported on first access."""
+    """``SequenceParallelSFTTrainer`` from :mod:`.sft_trainer` (it imports trl), ``RingSPCache`` from
+    :mod:`.kv_cache` and ``GenerationCallback`` from :mod:`.generation_callback` (they import
+    transformers), imported on first access."""
     if name == "SequenceParallelSFTTrainer":
         from .sft_trainer import SequenceParallelSFTTrainer
 
@@ -55,11 +57,16 @@ def __getattr__(name: str) -> object:
         from .kv_cache import RingSPCache
 
         return RingSPCache
+    if name == "GenerationCallback":
+        from .generation_callback import GenerationCallback
+
+        return GenerationCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "GenerationCallback",
     "Registration",
     "RingSPCache",
     "UnsupportedFeatureError",

@@ -196,6 +196,15 @@ def register(topology: SequenceParallelTopology, *, layout: str = "zigzag", back
     return ATTN_IMPLEMENTATION
 
 
+def generation_topology(model: Any) -> Any:
+    """The topology whose SP group ``model.generate()`` runs over together (a ``"ring_sp"`` model, an SP
+    group of more than one rank), else None (one-rank SP groups hand cached calls to sdpa)."""
+    current = registration()
+    if uses_ring_sp(model) and current is not None and current.topology.sp_size > 1:
+        return current.topology
+    return None
+
+
 def _guard_generate() -> None:
     """``generate()`` of a ring_sp model over more than one SP rank runs on every rank of the SP
     group together (:func:`.generation.generate_together`: its arguments agreed, the prompt
@@ -207,11 +216,11 @@ def _guard_generate() -> None:
 
     def guard(generate: Callable[..., Any]) -> Callable[..., Any]:
         def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-            current = registration()
-            if uses_ring_sp(self) and current is not None and current.topology.sp_size > 1:
+            topology = generation_topology(self)
+            if topology is not None:
                 from .generation import generate_together
 
-                return generate_together(generate, self, current.topology, args, kwargs)
+                return generate_together(generate, self, topology, args, kwargs)
             return generate(self, *args, **kwargs)
 
         return guarded
@@ -316,5 +325,5 @@ def uses_ring_sp(model: torch.nn.Module) -> bool:
     return getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
 
 
-__all__ = ["ATTN_IMPLEMENTATION", "Registration", "RingSPAttention", "register", "registered_topology",
-           "registration", "uses_ring_sp"]
+__all__ = ["ATTN_IMPLEMENTATION", "Registration", "RingSPAttention", "generation_topology", "register",
+           "registered_topology", "registration", "uses_ring_sp"]

@@ -139,13 +139,14 @@ def _random_code(device: torch.device) -> int:
     return zlib.crc32(state.numpy().tobytes())
 
 
-def generate_together(generate: Callable[..., Any], model: Any, topology: Any, args: tuple,
-                      kwargs: dict[str, Any]) -> Any:
-    """``generate(model, *args, **kwargs)`` on every rank of ``topology``'s SP group (see the module)."""
+def agree_to_generate(model: Any, topology: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The agreement of ``generate(model, *args, **kwargs)`` on every rank of ``topology``'s SP group
+    (what cannot be exact refused by name; prompt, arguments, cache size and, to sample, the random
+    state compared; one error on every rank), before any other collective. Returns the keyword
+    arguments with the prompt as ``input_ids``."""
     kwargs = dict(kwargs)
     if args:
         kwargs.setdefault("input_ids", args[0])
-        args = ()
     prompt = kwargs.get("input_ids", kwargs.get("inputs"))
     config = _config(model, {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs")})
     error = _local_error(model, prompt, config, kwargs)
@@ -158,6 +159,13 @@ def generate_together(generate: Callable[..., Any], model: Any, topology: Any, a
             f"{values[4]} (seed every rank alike to sample), max_cache_len {values[5]})")
     raise_together(topology.sp_group, CallSignature.named("generate", values, text), error, validate=True,
                    device=prompt.device if valid else torch.device("cpu"))
+    return kwargs
+
+
+def generate_together(generate: Callable[..., Any], model: Any, topology: Any, args: tuple,
+                      kwargs: dict[str, Any]) -> Any:
+    """``generate(model, *args, **kwargs)`` on every rank of ``topology``'s SP group (see the module)."""
+    kwargs = agree_to_generate(model, topology, args, kwargs)
     kwargs.setdefault("past_key_values", RingSPCache())
     kwargs["use_cache"] = True  # a model configured use_cache=False (training) would re-run the whole sequence
     out = generate(model, **kwargs)

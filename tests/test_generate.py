@@ -116,6 +116,36 @@ def test_windows_sinks_and_sampling_equal_one_rank(pools, arch: str, u: int, r: 
     _check(pools.get(4).run(generate_case, arch, u, r, layout, 1000, 24, sample, 2, timeout=300, **overrides), 1000, 24)
 
 
+def padded_case(u: int, r: int) -> dict[str, Any]:
+    """Three prompts of 64, 37 and 20 tokens, left-padded into one batch: generate() over the grid equals one
+    rank's batched generate() (with the mask given, and inferred from pad_token_id), eos stopping one row."""
+    import dist_cases
+    import ring_sp.integrations.transformers as rsp_hf
+
+    rsp_hf.register(dist_cases.topology(u, r))
+    reference, model = _models("llama")
+    prompt = torch.randint(1, model.config.vocab_size, (3, 64), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(prompt)
+    for row, length in ((1, 37), (2, 20)):
+        prompt[row, : 64 - length], mask[row, : 64 - length] = 0, 0
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for m in (reference, model):
+        m.generation_config.eos_token_id = None
+    expected = reference.generate(prompt, attention_mask=mask, **options)
+    eos = int(expected[1, 64 + 2])  # row 1's third token: that row stops there, the others go on (unless they emit it)
+    stopped = reference.generate(prompt, attention_mask=mask, eos_token_id=eos, **options)
+    return {"equal": torch.equal(model.generate(prompt, attention_mask=mask, **options), expected),
+            "inferred_equal": torch.equal(model.generate(prompt, **options), expected),
+            "eos_equal": torch.equal(model.generate(prompt, attention_mask=mask, eos_token_id=eos, **options), stopped),
+            "eos_padded": bool((stopped[1, 64 + 3:] == 0).all()) and stopped.shape[1] > 64 + 3}
+
+
+@pytest.mark.parametrize("u,r", [(2, 2)], ids=["U2xR2"])
+def test_prompts_of_different_lengths_equal_one_rank(pools, u: int, r: int) -> None:
+    for rank, res in enumerate(pools.get(4).run(padded_case, u, r, timeout=300)):
+        assert res == {"equal": True, "inferred_equal": True, "eos_equal": True, "eos_padded": True}, (rank, res)
+
+
 def bad_generation_case(what: str) -> str:
     """One bad input on one rank or every rank: the error every rank raises (or "no error")."""
     import torch.distributed as dist
@@ -146,6 +176,9 @@ def bad_generation_case(what: str) -> str:
         prompt[0, 7] = 0
     if what == "mask_one_rank" and rank == 3:  # a padding mask given on one rank only
         options["attention_mask"] = torch.ones_like(prompt).index_fill_(1, torch.tensor([0]), 0)
+    if what in ("right_padding", "sampled_padding"):
+        options["attention_mask"] = torch.ones_like(prompt).index_fill_(1, torch.tensor([39 if what == "right_padding" else 0]), 0)
+        options["do_sample"] = what == "sampled_padding"
     try:
         model.generate(prompt, **options)
     except (ValueError, RuntimeError, TypeError) as exc:
@@ -160,8 +193,10 @@ def bad_generation_case(what: str) -> str:
     ("small_cache", r"need 44 cached tokens, but RingSPCache\(max_cache_len=43\)"),
     ("exact_cache", r"^no error$"),  # fixed capacities (where the owner rule puts every token) hold it exactly
     ("beams", r"beam search \(num_beams=2\) cannot run exactly.*num_beams=1"),
-    ("mask_one_rank", r"rank\(s\) \[3\].*attention_mask has zeros"),
-    ("pad_in_prompt", r"attention_mask has zeros \(padding, or pad_token_id inside the prompt"),
+    ("mask_one_rank", r"rank\(s\) \[3\].*padding mask checksum"),
+    ("pad_in_prompt", r"attention_mask \(1, 40\) is not left padding .*pad_token_id inside the prompt"),
+    ("right_padding", r"attention_mask \(1, 40\) is not left padding"),
+    ("sampled_padding", r"run row by row on SP ranks, which cannot reproduce do_sample=True"),
 ])
 def test_bad_generation_input_is_one_error_on_every_rank(pools, what: str, pattern: str) -> None:
     for rank, error in enumerate(pools.get(4).run(bad_generation_case, what, timeout=120)):

@@ -5,9 +5,11 @@ Every rank of the SP group calls ``generate`` with the same prompt ``[b, n]`` an
 
 1. **Agreement** (:func:`generate_together`, before any other collective): what cannot be exact
    is refused by name on every rank (beam search, assisted/speculative decoding, contrastive
-   search, DoLa, chunked prefill, padded prompts, a cache that is not an empty
-   :class:`.kv_cache.RingSPCache`); the prompt, the generation arguments, the cache's size and,
-   when sampling, the random state are compared across ranks in one small all-gather.
+   search, DoLa, chunked prefill, a mask that is not left padding, a cache that is not an empty
+   :class:`.kv_cache.RingSPCache`); the prompt, the generation arguments, the cache's size, the
+   padding mask and, when sampling, the random state are compared across ranks in one small
+   all-gather. Prompts of different lengths (left padding) then run row by row
+   (:mod:`.padded_prompts`).
 2. **Prefill** (:func:`cached_forward`, the first forward, cache empty): the prompt, right-padded
    to the layout's unit (causal attention never lets a prompt token see the padding), is cut
    into this rank's shard (:func:`ring_sp.shard_batch`, positions the attention checks) and runs through the model as in training:
@@ -45,6 +47,7 @@ from ring_sp.layouts import padded_length
 
 from .features import UnsupportedFeatureError, model_name, ring_sp_call_options
 from .kv_cache import PrefillShard, RingSPCache
+from .padded_prompts import generate_rows, left_pads, padding_error, prompt_mask
 
 # generate()'s arguments that would need other than one token per step on every rank alike: (test, what, fix)
 _REFUSED: tuple[tuple[Callable[[Any], bool], str, str], ...] = (
@@ -96,8 +99,8 @@ def _local_error(model: Any, prompt: Any, config: Any, kwargs: dict[str, Any]) -
         if refused(config):
             return UnsupportedFeatureError(f"{where}: {what.format(config)} cannot run exactly over a sharded KV cache "
                                            f"in ring_sp; {fix}")
-    padding = _padding_error(where, kwargs.get("attention_mask"))  # a mask given: each rank's own (not agreed)
-    if padding is not None:
+    padding = padding_error(where, prompt_mask(prompt, kwargs.get("attention_mask"), config), config, kwargs)
+    if padding is not None:  # a mask given is each rank's own: agreed below when it is valid
         return padding
     cache = kwargs.get("past_key_values")
     if cache is not None and not isinstance(cache, RingSPCache):
@@ -117,13 +120,13 @@ def _local_error(model: Any, prompt: Any, config: Any, kwargs: dict[str, Any]) -
 
 
 def _padding_error(where: str, mask: Any) -> UnsupportedFeatureError | None:
-    """The error of an attention_mask with zeros (None without one): given by the user, or made by
-    ``generate()`` from a ``pad_token_id`` inside the prompt; ring_sp masks no keys."""
+    """The error of a prefill's attention_mask with zeros (None without one): made by ``generate()``
+    from a ``pad_token_id`` inside a prompt the agreement let through (it strips left padding)."""
     if mask is None or bool(torch.as_tensor(mask).all()):
         return None
-    return UnsupportedFeatureError(f"{where}: the prompt's attention_mask has zeros (padding, or pad_token_id inside "
-                                   f"the prompt, which generate() masks out) and ring_sp does not mask keys; generate "
-                                   f"each prompt length as its own batch, with a pad_token_id the prompt does not contain")
+    return UnsupportedFeatureError(f"{where}: the prefill's attention_mask has zeros (pad_token_id inside the prompt, "
+                                   f"which generate() masks out) and ring_sp does not mask keys; pad prompts on the "
+                                   f"left only, with a pad_token_id the prompts do not contain")
 
 
 def _arguments_code(config: Any, kwargs: dict[str, Any]) -> int:
@@ -152,11 +155,14 @@ def agree_to_generate(model: Any, topology: Any, args: tuple, kwargs: dict[str, 
     error = _local_error(model, prompt, config, kwargs)
     valid = error is None
     dims = tuple(prompt.shape) if valid else (-1, -1)
+    mask = prompt_mask(prompt, kwargs.get("attention_mask"), config) if valid else None
     values = (*dims, int(token_checksum(prompt)) if valid else -1, _arguments_code(config, kwargs),
               _random_code(prompt.device) if valid and config.do_sample else -1,
-              -1 if kwargs.get("past_key_values") is None else (kwargs["past_key_values"].limit or 0))
+              -1 if kwargs.get("past_key_values") is None else (kwargs["past_key_values"].limit or 0),
+              -1 if mask is None else int(token_checksum(mask)))
     text = (f"generate(input_ids {dims}, prompt checksum {values[2]}, arguments checksum {values[3]}, random state "
-            f"{values[4]} (seed every rank alike to sample), max_cache_len {values[5]})")
+            f"{values[4]} (seed every rank alike to sample), max_cache_len {values[5]}, padding mask checksum "
+            f"{values[6]})")
     raise_together(topology.sp_group, CallSignature.named("generate", values, text), error, validate=True,
                    device=prompt.device if valid else torch.device("cpu"))
     return kwargs
@@ -166,6 +172,19 @@ def generate_together(generate: Callable[..., Any], model: Any, topology: Any, a
                       kwargs: dict[str, Any]) -> Any:
     """``generate(model, *args, **kwargs)`` on every rank of ``topology``'s SP group (see the module)."""
     kwargs = agree_to_generate(model, topology, args, kwargs)
+    prompt = kwargs.get("input_ids", kwargs.get("inputs"))
+    config = _config(model, {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs")})
+    mask = prompt_mask(prompt, kwargs.get("attention_mask"), config)
+    if mask is not None:  # prompts of different lengths: each row alone (.padded_prompts)
+        return generate_rows(lambda row: _generate_on_sp_ranks(generate, model, topology, row), prompt,
+                             left_pads(mask), config, kwargs)
+    return _generate_on_sp_ranks(generate, model, topology, kwargs)
+
+
+def _generate_on_sp_ranks(generate: Callable[..., Any], model: Any, topology: Any, kwargs: dict[str, Any]) -> Any:
+    """``generate(model, **kwargs)`` (agreed, no padding) with the cache sharded over the SP ranks; the
+    sequences compared across the ranks at the end."""
+    kwargs = dict(kwargs)
     kwargs.setdefault("past_key_values", RingSPCache())
     kwargs["use_cache"] = True  # a model configured use_cache=False (training) would re-run the whole sequence
     out = generate(model, **kwargs)

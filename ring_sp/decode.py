@@ -125,10 +125,55 @@ class ShardedKVCache:
         self.counts[owner] += 1
         return position
 
+    def append_chunk(self, k: torch.Tensor, v: torch.Tensor) -> list[int]:
+        """Store ``c`` new tokens' ``k`` ``[b, c, h_kv, d]`` / ``v`` (every rank calls it with the same tokens):
+        each rank takes a contiguous piece, in rank order, as many as the owner rule would give it one by one
+        (:func:`final_counts`: the shards stay balanced). Returns the pieces' bounds in the chunk, ``R + 1``
+        of them: rank ``r`` holds tokens ``[bounds[r], bounds[r + 1])``."""
+        start, c = self.total, k.shape[1]
+        final = final_counts(self.counts, start + c)
+        bounds = [0]
+        for r, (before, after) in enumerate(zip(self.counts, final)):
+            bounds.append(bounds[-1] + after - before)
+            if after > self.capacities[r] and self.grow_by:  # every rank counts it; the owner grows
+                self.capacities[r] += -(-(after - self.capacities[r]) // self.grow_by) * self.grow_by
+                if r == self.rank:
+                    self._grow(self.capacities[r])
+        full = [r for r, count in enumerate(final) if count > self.capacities[r]]
+        if full:  # every rank knows: all raise, none waits
+            raise ValueError(f"the KV cache is full: {c} new tokens at position {start} need {final} tokens per rank, "
+                             f"but rank(s) {full} hold at most {[self.capacities[r] for r in full]}; the caches were "
+                             f"sized for fewer tokens than this generation needs")
+        a, b = bounds[self.rank], bounds[self.rank + 1]
+        n = self.length
+        self.k[:, n: n + b - a], self.v[:, n: n + b - a] = k[:, a:b], v[:, a:b]
+        self.positions[n: n + b - a] = torch.arange(start + a, start + b)
+        self.counts = final
+        return bounds
+
     def _grow(self, capacity: int) -> None:
         """Move this rank's tokens into storage for ``capacity`` (one copy per ``grow_by`` tokens it receives)."""
         n = self.length
         self.k, self.v, self.positions = _slots(self.k[:, :n], self.v[:, :n], self.positions[:n], capacity)
+
+
+def final_counts(counts: list[int], total: int) -> list[int]:
+    """Every rank's cached tokens once ``total`` are cached, each new token on the rank with the fewest
+    (ties: the lowest), as :meth:`ring_sp.decode.ShardedKVCache.next_owner` assigns them."""
+    extra = total - sum(counts)
+
+    def needed(level: int) -> int:  # new tokens that bring every rank up to ``level``
+        return sum(max(0, level - c) for c in counts)
+
+    low, high = min(counts), max(counts) + extra
+    while low < high:  # the highest level the new tokens fill on every rank
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if needed(mid) <= extra else (low, mid - 1)
+    final, left = [max(c, low) for c in counts], extra - needed(low)
+    for r, count in enumerate(final):  # the rest, one each, to the lowest ranks at that level
+        if left and count == low:
+            final[r], left = count + 1, left - 1
+    return final
 
 
 def _slots(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -182,23 +227,35 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
         out, lse = kernel.forward(q, keys, values, causal=False, scale=scale)
     else:  # no visible key here: contributes nothing
         out, lse = q.new_zeros(b, 1, h, d_v), torch.full((b, h, 1), float("-inf"), dtype=acc, device=q.device)
-    # one message per rank: its partial (out, lse) and, for the agreement, its counts' total and this position
-    # from the host's counts (a rank that counted otherwise must show it), pinned on CUDA (torch caches pinned
-    # blocks) so the copy does not wait for the GPU
-    stamp = torch.tensor([cache.total, position], dtype=acc, pin_memory=q.is_cuda).to(q.device, non_blocking=True)
-    extra = agree.to(acc).flatten() if agree is not None else stamp[:0]
-    mine = torch.cat([out.to(acc).flatten(), lse.to(acc).flatten(), extra, stamp])
+    return merge_over_ranks(out, lse, (cache.total, position), cache.rank, group=group, agree=agree,
+                            sinks=sinks).to(q.dtype)
+
+
+def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, stamp: tuple[int, int], rank: int, *,
+                     group: dist.ProcessGroup | None, agree: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's partial ``out`` ``[b, s, h, d_v]`` / ``lse`` ``[b, h, s]`` of the same queries, merged:
+    ONE all-gather (in the softmax statistics' dtype) that also carries ``stamp`` (cached tokens, position)
+    and ``agree`` for the agreement (:func:`_check_agreement`), then the ring's merge, sinks folded in last.
+    -> ``[b, s, h, d_v]`` in that dtype, the same bits on every rank (each merges the same parts alike)."""
+    acc = lse.dtype
+    b, s, h, d_v = out.shape
+    # the stamp from the host's counts (a rank that counted otherwise must show it), pinned on CUDA (torch
+    # caches pinned blocks) so the copy does not wait for the GPU
+    stamps = torch.tensor(stamp, dtype=acc, pin_memory=out.is_cuda).to(out.device, non_blocking=True)
+    extra = agree.to(acc).flatten() if agree is not None else stamps[:0]
+    mine = torch.cat([out.to(acc).flatten(), lse.flatten(), extra, stamps])
     world = dist.get_world_size(group)
     gathered = mine.new_empty(world * mine.numel())
     RingComm.of(group).all_gather(gathered, mine, "decode_partials").wait()
     gathered = gathered.view(world, mine.numel())
-    split = b * h * d_v  # every rank merges the same gathered parts alike: the same bits everywhere
-    _check_agreement(gathered[:, split + b * h:], cache.rank, extra.numel())
-    merged_out, merged_lse = merge_partials(gathered[:, :split].view(world, b, 1, h, d_v),
-                                            gathered[:, split: split + b * h].view(world, b, h, 1))
+    split = b * s * h * d_v
+    _check_agreement(gathered[:, split + b * h * s:], rank, extra.numel())
+    merged_out, merged_lse = merge_partials(gathered[:, :split].view(world, b, s, h, d_v),
+                                            gathered[:, split: split + b * h * s].view(world, b, h, s))
     if sinks is not None:
         merged_out, merged_lse = fold_sinks(merged_out, merged_lse, sinks)
-    return merged_out.to(q.dtype)
+    return merged_out
 
 
 def _check_agreement(stamps: torch.Tensor, rank: int, extra: int) -> None:
@@ -217,4 +274,4 @@ def _check_agreement(stamps: torch.Tensor, rank: int, extra: int) -> None:
                            f"same tokens")
 
 
-__all__ = ["ShardedKVCache", "decode_attention"]
+__all__ = ["ShardedKVCache", "decode_attention", "final_counts", "merge_over_ranks"]

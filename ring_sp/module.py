@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from .attention import hybrid_attention
+from .chunk_prefill import chunk_attention
 from .decode import ShardedKVCache, decode_attention
 from .layouts import rank_positions
 from .topology import SequenceParallelTopology
@@ -103,6 +104,15 @@ class SequenceParallelAttention(nn.Module):
         window = self.sliding_window if sliding_window is None else sliding_window
         return decode_attention(q, k, v, cache, group=self.topology.sp_group, scale=self.softmax_scale, window=window,
                                 sinks=sinks, backend=self.backend)
+
+    def chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCache, *,
+              exchange: str = "auto", sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``c`` new tokens (q ``[b, c, h, d]``, k/v ``[b, c, h_kv, d]``, the same on every rank of the SP group)
+        after ``cache`` and causally among themselves, their keys and values stored first: a prompt's next
+        chunk or a second turn -> ``[b, c, h, d_v]``, equal on every rank (:func:`ring_sp.chunk_attention`;
+        ``exchange``: ``"auto"``, ``"pass_q"`` or ``"pass_kv"``). Not for a module with a sliding window."""
+        return chunk_attention(q, k, v, cache, group=self.topology.sp_group, scale=self.softmax_scale,
+                               window=self.sliding_window, sinks=sinks, backend=self.backend, exchange=exchange)
 
     def extra_repr(self) -> str:
         t = self.topology

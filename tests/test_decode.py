@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import ring_sp
 from oracle import OUT_TOL, make_inputs, oracle_attention
-from ring_sp.decode import ShardedKVCache, decode_attention
+from ring_sp.decode import ShardedKVCache, decode_attention, final_counts
 from ring_sp.layouts import rank_positions
 
 PROMPT, NEW = 24, 7
@@ -198,11 +198,9 @@ def test_a_growing_cache_moves_its_tokens_once_per_block() -> None:
 
 def test_final_counts_follow_the_owner_rule() -> None:
     """generate()'s fixed capacities (RingSPCache(max_cache_len=)) are where the owner rule puts every token."""
-    from ring_sp.integrations.transformers.generation import _final_counts
-
     for counts, total in [([3, 3, 3, 3], 20), ([4, 4, 3, 3], 15), ([5, 1, 2, 2], 10), ([2, 2], 4), ([7, 0, 0], 8)]:
         cache = ShardedKVCache(torch.zeros(1, 0, 1, 1), torch.zeros(1, 0, 1, 1), torch.zeros(0), 0, list(counts),
                                [10**6] * len(counts))
         for _ in range(total - sum(counts)):
             cache.counts[cache.next_owner()] += 1
-        assert _final_counts(counts, total) == cache.counts, (counts, total)
+        assert final_counts(counts, total) == cache.counts, (counts, total)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ring_sp.agreement import CallSignature, raise_together
 from ring_sp.data import shard_batch, token_checksum
-from ring_sp.decode import decode_attention
+from ring_sp.decode import decode_attention, final_counts
 from ring_sp.layouts import padded_length
 
 from .features import UnsupportedFeatureError, model_name, ring_sp_call_options
@@ -207,25 +207,6 @@ def _prefilling(cache: RingSPCache, prefill: PrefillShard) -> Iterator[None]:
         cache.prefill = None
 
 
-def _final_counts(counts: list[int], total: int) -> list[int]:
-    """Every rank's cached tokens once ``total`` are cached, each new token on the rank with the fewest
-    (ties: the lowest), as :meth:`ring_sp.decode.ShardedKVCache.next_owner` assigns them."""
-    extra = total - sum(counts)
-
-    def needed(level: int) -> int:  # new tokens that bring every rank up to ``level``
-        return sum(max(0, level - c) for c in counts)
-
-    low, high = min(counts), max(counts) + extra
-    while low < high:  # the highest level the new tokens fill on every rank
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if needed(mid) <= extra else (low, mid - 1)
-    final, left = [max(c, low) for c in counts], extra - needed(low)
-    for r, count in enumerate(final):  # the rest, one each, to the lowest ranks at that level
-        if left and count == low:
-            final[r], left = count + 1, left - 1
-    return final
-
-
 def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.Tensor) -> tuple[PrefillShard, int]:
     """What this rank keeps of a prompt of ``n`` tokens whose shard holds ``positions`` (global, host or
     device; the padding's >= n), and the SP group rank holding the prompt's last token. One all-gather of
@@ -240,7 +221,7 @@ def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.T
     if cache.limit is None:
         capacities, grow_by = counts, cache.block
     else:
-        capacities, grow_by = _final_counts(counts, cache.limit), 0
+        capacities, grow_by = final_counts(counts, cache.limit), 0
     return PrefillShard(keep, positions[keep], dist.get_rank(group), counts, capacities, grow_by), holds_last.index(1)
 
 

@@ -1,0 +1,152 @@
+"""Many new tokens against a KV cache sharded over a ring: chunked prefill and a second turn (issue 46).
+
+``c`` new tokens (a piece of a long prompt, or the next turn of a conversation) come after the
+``n`` tokens a :class:`~ring_sp.decode.ShardedKVCache` holds. As in a decode step they are
+computed on every rank alike (their projections and MLP replicated: meant for ``c`` small next to
+``n``; a whole long prompt is prefilled over the grid). :func:`chunk_attention` stores their keys
+and values, each rank a contiguous piece as the owner rule would balance them
+(:meth:`~ring_sp.decode.ShardedKVCache.append_chunk`), and attends them causally to every cached
+token and to each other, in one of two exchanges, exact both:
+
+* ``"pass_q"``: every rank attends ALL ``c`` queries to its own shard (its old tokens whole, its
+  piece of the chunk causally) and one all-gather brings every rank's partial ``(out, lse)``
+  together, merged in fp32 as the ring merges blocks (:func:`~ring_sp.decode.merge_over_ranks`).
+  Each rank receives ``R * c * h * (d_v + 1)`` fp32 values.
+* ``"pass_kv"``: every shard is all-gathered (padded to the longest, in the cache's dtype), each
+  rank attends its ``c / R`` queries to all of it, and one all-gather of the outputs gives every
+  rank all ``c``. Each rank receives ``(R - 1) * max_shard * h_kv * (d + d_v)`` values plus the
+  outputs; the gathered shards live for the call (one layer's whole cache: pass_q never holds it).
+* ``"auto"``: the exchange that moves fewer bytes (:func:`choose_exchange`): pass-Q while the chunk
+  is short next to the cache (below ``c / n ~ h_kv / (R * h)`` or so), pass-KV for long chunks.
+
+Both start with one small all-gather of every rank's counts and the ``agree=`` values: ranks whose
+caches or tokens differ raise together before anything is sized from them. Every rank returns
+the same bits. Sliding windows are refused here (the cached keys a window cuts are not contiguous
+positions on a rank); decode one token at a time for those layers. Shapes: q ``[b, c, h, d]``,
+k/v ``[b, c, h_kv, d]`` / ``[b, c, h_kv, d_v]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import RingComm
+from .decode import ShardedKVCache, _check_agreement, merge_over_ranks
+from .kernels import AttentionKernel, get_kernel, softmax_stat_dtype
+from .merge import fold_sinks, merge_block_
+from .schedule import BlockTask, interval_blocks
+
+EXCHANGES = ("auto", "pass_q", "pass_kv")
+
+
+def choose_exchange(chunk: int, counts: list[int], heads: int, kv_heads: int, d: int, d_v: int,
+                    element_size: int) -> str:
+    """``"pass_q"`` or ``"pass_kv"``: the one whose messages bring a rank fewer bytes (see the module)."""
+    world = len(counts)
+    acc = 8 if element_size == 8 else 4
+    pass_q = world * chunk * heads * (d_v + 1) * acc
+    shard = max(counts)
+    pass_kv = (world - 1) * shard * kv_heads * (d + d_v) * element_size + chunk * heads * d_v * acc
+    return "pass_q" if pass_q <= pass_kv else "pass_kv"
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCache, *,
+                    group: dist.ProcessGroup | None = None, scale: float | None = None,
+                    window: int | None = None, sinks: torch.Tensor | None = None, backend: str = "auto",
+                    exchange: str = "auto", agree: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention of ``c`` new tokens (the same on every rank of ``group``) after every cached token and
+    causally among themselves, their keys and values stored first (see the module). q ``[b, c, h, d]``,
+    k ``[b, c, h_kv, d]``, v ``[b, c, h_kv, d_v]`` -> ``[b, c, h, d_v]`` in q's dtype, equal on every rank.
+    ``exchange``: ``"auto"``, ``"pass_q"`` or ``"pass_kv"``; ``sinks`` ``[h]``; ``agree``: values every
+    rank must hold alike (the chunk's token ids). Collectives: two all-gathers (pass-Q), three (pass-KV)."""
+    if q.dim() != 4 or k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be q [b, c, h, d], "
+                         f"k [b, c, h_kv, d], v [b, c, h_kv, d_v] (the same c new tokens)")
+    if k.shape[2:] != cache.k.shape[2:] or v.shape[2:] != cache.v.shape[2:] or k.shape[0] != cache.k.shape[0]:
+        raise ValueError(f"the chunk's k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's "
+                         f"k {tuple(cache.k.shape)} / v {tuple(cache.v.shape)} (batch, KV heads, head sizes)")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r} must be one of {EXCHANGES}")
+    if window is not None:
+        raise ValueError(f"window={window}: a chunk of {q.shape[1]} tokens against a sliding-window layer's sharded "
+                         f"cache is not supported; decode its tokens one at a time (decode_attention takes windows)")
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], v.shape[-1])  # on every rank, before any message
+    start, old = cache.total, list(cache.counts)
+    bounds = cache.append_chunk(k, v)
+    acc = softmax_stat_dtype(q.dtype)
+    _agree(cache, start, agree, group, q.device, acc)
+    if exchange == "auto":
+        exchange = choose_exchange(q.shape[1], old, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], k.element_size())
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if exchange == "pass_q":
+        out, lse = _attend(kernel, q, cache.k, cache.v, old[cache.rank], (bounds[cache.rank], bounds[cache.rank + 1]),
+                           (0, q.shape[1]), scale, acc)
+        return merge_over_ranks(out, lse, (cache.total, start), cache.rank, group=group, sinks=sinks).to(q.dtype)
+    return _pass_kv(kernel, q, cache, old, bounds, scale, acc, group, sinks)
+
+
+def _agree(cache: ShardedKVCache, start: int, agree: torch.Tensor | None, group: dist.ProcessGroup | None,
+           device: torch.device, acc: torch.dtype) -> None:
+    """One small all-gather: every rank's cached total, the chunk's position and ``agree`` alike, else one
+    error everywhere (before any message is sized from the counts)."""
+    stamps = torch.tensor([cache.total, start], dtype=acc).to(device)
+    mine = torch.cat([agree.to(acc).flatten(), stamps]) if agree is not None else stamps
+    every = mine.new_empty(dist.get_world_size(group) * mine.numel())
+    RingComm.of(group).all_gather(every, mine, "chunk_agreement").wait()
+    _check_agreement(every.view(-1, mine.numel()), cache.rank, mine.numel() - 2)
+
+
+def _attend(kernel: AttentionKernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, old: int,
+            piece: tuple[int, int], rows: tuple[int, int], scale: float,
+            acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk queries ``rows`` (chunk coordinates; ``q`` holds exactly them) against one shard: its ``old``
+    cached tokens (before the chunk: all visible) and its piece ``[a, b)`` of the chunk, stored right after
+    them (causal). -> ``(out [b, rows, h, d_v], lse [b, h, rows])`` in ``acc``; a row seeing no key: 0, -inf."""
+    b, s, h, _ = q.shape
+    out = q.new_zeros(b, s, h, values.shape[-1], dtype=acc)
+    lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
+    blocks = [BlockTask(slice(0, s), slice(0, old), False)] if old else []
+    a, r0 = piece[0], rows[0]
+    blocks += [BlockTask(slice(t.q.start - r0, t.q.stop - r0), slice(t.kv.start - a + old, t.kv.stop - a + old), t.causal)
+               for t in interval_blocks(rows, piece, True)]
+    for t in blocks:
+        part, part_lse = kernel.forward(q[:, t.q], keys[:, t.kv], values[:, t.kv], causal=t.causal, scale=scale)
+        merge_block_(out[:, t.q], lse[:, :, t.q], part, part_lse)
+    return out, lse
+
+
+def _pass_kv(kernel: AttentionKernel, q: torch.Tensor, cache: ShardedKVCache, old: list[int], bounds: list[int],
+             scale: float, acc: torch.dtype, group: dist.ProcessGroup | None,
+             sinks: torch.Tensor | None) -> torch.Tensor:
+    """Every shard gathered (padded to the longest), this rank's ``c / R`` queries against all of them, the
+    outputs all-gathered (see the module)."""
+    world, rank, comm = len(old), cache.rank, RingComm.of(group)
+    b, c, h, _ = q.shape
+    d_v = cache.v.shape[-1]
+    longest = max(cache.counts)
+    shards = []
+    for t in (cache.k, cache.v):  # one all-gather each: [world, b, longest, h_kv, d]
+        mine = t.new_zeros(b, longest, *t.shape[2:])
+        mine[:, : cache.length] = t[:, : cache.length]
+        every = mine.new_empty(world * mine.numel())
+        comm.all_gather(every, mine.flatten(), "chunk_kv").wait()
+        shards.append(every.view(world, *mine.shape))
+    per = -(-c // world)  # this rank's queries: rows [rank * per, ...) of the chunk
+    rows = (min(rank * per, c), min((rank + 1) * per, c))
+    out = q.new_zeros(b, per, h, d_v, dtype=acc)
+    lse = torch.full((b, h, per), float("-inf"), dtype=acc, device=q.device)
+    if rows[0] < rows[1]:
+        mine_q = q[:, rows[0]: rows[1]]
+        for source in range(world):
+            part, part_lse = _attend(kernel, mine_q, shards[0][source], shards[1][source], old[source],
+                                     (bounds[source], bounds[source + 1]), rows, scale, acc)
+            merge_block_(out[:, : rows[1] - rows[0]], lse[:, :, : rows[1] - rows[0]], part, part_lse)
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sinks)
+    every = out.new_empty(world * out.numel())
+    comm.all_gather(every, out.flatten(), "chunk_out").wait()
+    return every.view(world, b, per, h, d_v).transpose(0, 1).reshape(b, world * per, h, d_v)[:, :c].to(q.dtype)
+
+
+__all__ = ["EXCHANGES", "choose_exchange", "chunk_attention"]

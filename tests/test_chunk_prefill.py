@@ -1,0 +1,116 @@
+"""Many new tokens against a KV cache sharded over a ring (issue 46: chunked prefill, a second turn).
+
+A prompt prefilled through the ring (any layout), then chunks of new tokens alternating with
+decode steps: each chunk's output equals the float64 oracle of its queries against every token
+so far, by pass-Q and by pass-KV alike (and ``auto``), on every rank bit for bit; the shards stay
+balanced and gathered they are the whole cache. Ranks whose chunks differ raise together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ring_sp
+from oracle import OUT_TOL, make_inputs, oracle_attention
+from ring_sp.chunk_prefill import choose_exchange
+from ring_sp.decode import ShardedKVCache, decode_attention
+from ring_sp.layouts import rank_positions
+
+PROMPT = 24
+STEPS = (("chunk", 9), ("decode", 1), ("chunk", 5), ("decode", 1), ("chunk", 1))  # 17 tokens after the prompt
+
+
+def chunk_case(layout: str, exchanges: tuple[str, str], sinks: bool, d_v: int | None, dtype: str = "float64",
+               grid: tuple[int, int] | None = None) -> dict:
+    """The prompt prefilled, then :data:`STEPS`; the chunks alternate ``exchanges``. Errors per step against the
+    oracle, the last output, the cache's counts and positions."""
+    topo = ring_sp.init_sequence_parallel(*grid) if grid else None
+    rank, world = (topo.sp_rank, topo.sp_size) if topo else (dist.get_rank(), dist.get_world_size())
+    group = topo.sp_group if topo else None
+    dt = getattr(torch, dtype)
+    total = PROMPT + sum(n for _, n in STEPS)
+    inputs = make_inputs(7, 2, total, 4, 2, 8, dt, d_v=d_v, sinks=sinks)
+    q, k, v, s = inputs["q"], inputs["k"], inputs["v"], inputs.get("sinks")
+    prompt_k, prompt_v = (ring_sp.shard_sequence(x[:, :PROMPT], rank=rank, world_size=world, layout=layout) for x in (k, v))
+    cache = ShardedKVCache.from_prefill(prompt_k, prompt_v, rank_positions(layout, world, PROMPT, rank),
+                                        capacity=PROMPT // world + math.ceil((total - PROMPT) / world), group=group)
+    want, _ = oracle_attention(q, k, v, causal=True, sinks=s)
+    errors, at, chunks = [], PROMPT, 0
+    for kind, n in STEPS:
+        new = slice(at, at + n)
+        if kind == "decode":
+            out = decode_attention(q[:, new], k[:, new], v[:, new], cache, sinks=s, group=group)
+        else:
+            out = ring_sp.chunk_attention(q[:, new], k[:, new], v[:, new], cache, sinks=s, group=group,
+                                          exchange=exchanges[chunks % 2])
+            chunks += 1
+        assert out.dtype == dt and out.shape == (2, n, 4, v.shape[-1])
+        errors.append((out.double() - want[:, new]).abs().max().item())
+        at += n
+    filled = cache.positions[: cache.length]
+    return {"errors": errors, "out": out, "counts": cache.counts, "positions": filled.tolist(),
+            "k_ok": torch.equal(cache.k[:, : cache.length], k[:, filled])}
+
+
+@pytest.mark.parametrize("world,layout,exchanges,sinks,d_v", [
+    (2, "zigzag", ("pass_q", "pass_kv"), False, None),
+    (3, "contiguous", ("pass_kv", "pass_q"), True, None),
+    (4, "zigzag", ("auto", "pass_kv"), False, 6),
+])
+def test_chunks_equal_the_oracle_on_every_rank(pools, world: int, layout: str, exchanges, sinks: bool, d_v) -> None:
+    results = pools.get(world).run(chunk_case, layout, exchanges, sinks, d_v)
+    total = PROMPT + sum(n for _, n in STEPS)
+    for result in results:
+        assert max(result["errors"]) <= OUT_TOL[torch.float64].atol, result["errors"]
+        assert torch.equal(result["out"], results[0]["out"])  # every rank alike, bit for bit
+        assert result["k_ok"] and result["counts"] == results[0]["counts"]
+    counts = results[0]["counts"]
+    assert sum(counts) == total and max(counts) - min(counts) <= 1  # balanced
+    assert sorted(p for r in results for p in r["positions"]) == list(range(total))  # the whole cache, once
+
+
+def test_chunks_over_a_grids_sp_group_in_bf16(pools) -> None:
+    """U2 x R2, bf16 (fp32 partials and merge): within bf16's tolerance of the oracle."""
+    results = pools.get(4).run(chunk_case, "zigzag", ("pass_q", "pass_kv"), True, None, "bfloat16", (2, 2))
+    assert all(max(r["errors"]) <= OUT_TOL[torch.bfloat16].atol and r["k_ok"] for r in results), \
+        [r["errors"] for r in results]
+
+
+def test_auto_passes_q_for_short_chunks_and_kv_for_long_ones() -> None:
+    """Llama-3-8B's heads (32 query, 8 KV of 128), bf16, 8 ranks: pass-Q for a turn of 512 tokens after 128K
+    cached, pass-KV for a chunk as long as the cache."""
+    counts = [16384] * 8
+    assert choose_exchange(512, counts, 32, 8, 128, 128, 2) == "pass_q"
+    assert choose_exchange(131072, counts, 32, 8, 128, 128, 2) == "pass_kv"
+
+
+def disagreeing_chunks() -> str:
+    """Rank 1 brings other token ids: every rank raises, naming it."""
+    rank = dist.get_rank()
+    inputs = make_inputs(3, 1, 12, 2, 1, 4, torch.float64)
+    k, v = inputs["k"], inputs["v"]
+    cache = ShardedKVCache.from_prefill(k[:, rank * 4: rank * 4 + 4], v[:, rank * 4: rank * 4 + 4],
+                                        torch.arange(rank * 4, rank * 4 + 4), capacity=8)
+    ids = torch.arange(4) + (rank == 1)
+    try:
+        ring_sp.chunk_attention(inputs["q"][:, 8:], k[:, 8:], v[:, 8:], cache, agree=ids, exchange="pass_kv")
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_chunks_that_differ_raise_on_every_rank(pools) -> None:
+    for error in pools.get(2).run(disagreeing_chunks):
+        assert "the ranks decode different tokens: rank(s) [1]" in error, error
+
+
+def test_a_window_is_refused_by_name() -> None:
+    inputs = make_inputs(0, 1, 4, 2, 1, 4, torch.float32)
+    cache = ShardedKVCache.holding(inputs["k"][:, :2], inputs["v"][:, :2], torch.arange(2), rank=0, counts=[2],
+                                   capacities=[4])
+    with pytest.raises(ValueError, match="window=3: a chunk of 2 tokens against a sliding-window layer"):
+        ring_sp.chunk_attention(inputs["q"][:, 2:], inputs["k"][:, 2:], inputs["v"][:, 2:], cache, window=3)

@@ -146,6 +146,39 @@ def test_prompts_of_different_lengths_equal_one_rank(pools, u: int, r: int) -> N
         assert res == {"equal": True, "inferred_equal": True, "eos_equal": True, "eos_padded": True}, (rank, res)
 
 
+def second_turn_case(exchange: str) -> dict[str, Any]:
+    """U2xR2: a 300-token prompt prefilled in chunks of 128 (prefill_chunk_size), 8 tokens generated, then a
+    second turn (the conversation + 40 new tokens) against the same cache, 8 more: against one rank's
+    DynamicCache doing the same, tokens equal and every step's logits within 1e-5."""
+    import dist_cases
+    import ring_sp.integrations.transformers as rsp_hf
+    from transformers import DynamicCache
+
+    rsp_hf.register(dist_cases.topology(2, 2))
+    reference, model = _models("llama")
+    for m in (reference, model):
+        m.generation_config.eos_token_id = None
+    prompt = torch.randint(1, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(8))
+    turn = torch.randint(1, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(9))
+    options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    results = {}
+    for name, m, cache in (("reference", reference, DynamicCache(config=reference.config)),
+                           ("sp", model, rsp_hf.RingSPCache(chunk_exchange=exchange))):
+        first = m.generate(prompt, past_key_values=cache, prefill_chunk_size=128, **options)
+        second = m.generate(torch.cat([first.sequences, turn], dim=1), past_key_values=cache, **options)
+        results[name] = (first, second, cache.get_seq_length())
+    (ref_first, ref_second, ref_len), (first, second, length) = results["reference"], results["sp"]
+    return {"first": _compare(ref_first, first), "second": _compare(ref_second, second), "cached": (length, ref_len)}
+
+
+@pytest.mark.parametrize("exchange", ["pass_q", "pass_kv"])
+def test_chunked_prefill_and_a_second_turn_equal_one_rank(pools, exchange: str) -> None:
+    for rank, res in enumerate(pools.get(4).run(second_turn_case, exchange, timeout=300)):
+        for turn in ("first", "second"):
+            assert res[turn]["tokens_equal"] and res[turn]["logits_rel"] < LOGITS_RTOL, (rank, turn, res)
+        assert res["cached"][0] == res["cached"][1] == 300 + 8 + 40 + 7, (rank, res["cached"])
+
+
 def bad_generation_case(what: str) -> str:
     """One bad input on one rank or every rank: the error every rank raises (or "no error")."""
     import torch.distributed as dist

@@ -5,10 +5,10 @@ Every rank of the SP group calls ``generate`` with the same prompt ``[b, n]`` an
 
 1. **Agreement** (:func:`generate_together`, before any other collective): what cannot be exact
    is refused by name on every rank (beam search, assisted/speculative decoding, contrastive
-   search, DoLa, chunked prefill, a mask that is not left padding, a cache that is not an empty
-   :class:`.kv_cache.RingSPCache`); the prompt, the generation arguments, the cache's size, the
-   padding mask and, when sampling, the random state are compared across ranks in one small
-   all-gather. Prompts of different lengths (left padding) then run row by row
+   search, DoLa, a mask that is not left padding, a cache that is not a
+   :class:`.kv_cache.RingSPCache`); the prompt, the generation arguments, the cache's size and
+   cached length, the padding mask and, when sampling, the random state are compared across
+   ranks in one small all-gather. Prompts of different lengths (left padding) then run row by row
    (:mod:`.padded_prompts`).
 2. **Prefill** (:func:`cached_forward`, the first forward, cache empty): the prompt, right-padded
    to the layout's unit (causal attention never lets a prompt token see the padding), is cut
@@ -20,7 +20,9 @@ Every rank of the SP group calls ``generate`` with the same prompt ``[b, n]`` an
    alike; each attention layer stores its key/value on one rank (the fewest cached) and attends
    over every rank's shard in one all-gather of partial results, merged in fp32
    (:func:`ring_sp.decode.decode_attention`), which also compares the step's token ids: ranks
-   that sampled differently raise together.
+   that sampled differently raise together. A forward of many tokens against the cache (the
+   chunks of ``prefill_chunk_size`` after the first, a second turn's new tokens) runs the same
+   way through :func:`ring_sp.chunk_attention` (pass-Q or pass-KV: the cache's ``chunk_exchange``).
 4. The generated sequences are compared once more after the last token.
 
 Every rank returns the same tokens, equal to one device's ``generate()`` (tested token for
@@ -35,6 +37,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -42,6 +45,7 @@ import torch.distributed as dist
 
 from ring_sp.agreement import CallSignature, raise_together
 from ring_sp.data import shard_batch, token_checksum
+from ring_sp.chunk_prefill import chunk_attention
 from ring_sp.decode import decode_attention, final_counts
 from ring_sp.layouts import padded_length
 
@@ -56,8 +60,6 @@ _REFUSED: tuple[tuple[Callable[[Any], bool], str, str], ...] = (
      "drop prompt_lookup_num_tokens"),
     (lambda c: getattr(c, "penalty_alpha", None) is not None, "contrastive search (penalty_alpha)", "drop penalty_alpha"),
     (lambda c: getattr(c, "dola_layers", None) is not None, "DoLa decoding (dola_layers)", "drop dola_layers"),
-    (lambda c: getattr(c, "prefill_chunk_size", None) is not None, "chunked prefill (prefill_chunk_size)",
-     "drop prefill_chunk_size: ring_sp prefills the whole prompt over the SP group at once"),
     (lambda c: bool(getattr(c, "output_attentions", False)), "output_attentions (ring attention keeps no weights)",
      "drop output_attentions"),
 )
@@ -67,7 +69,7 @@ _SPECULATIVE = ("assistant_model", "assistant_tokenizer", "custom_generate", "in
 @dataclass(frozen=True)
 class _Decoding:
     cache: RingSPCache
-    tokens: torch.Tensor  # the step's token ids [b], compared across ranks in every layer's all-gather
+    tokens: torch.Tensor  # the step's token ids [b, c], compared across ranks in every layer's all-gather
 
 
 _DECODING: ContextVar[_Decoding | None] = ContextVar("ring_sp_decoding", default=None)
@@ -106,9 +108,11 @@ def _local_error(model: Any, prompt: Any, config: Any, kwargs: dict[str, Any]) -
     if cache is not None and not isinstance(cache, RingSPCache):
         return TypeError(f"{where}: past_key_values must be a ring_sp RingSPCache on SP ranks (each rank holds its shard "
                          f"of the cache); got {type(cache).__name__}")
-    if cache is not None and (cache.get_seq_length() or cache.layers):
-        return UnsupportedFeatureError(f"{where}: past_key_values holds {cache.get_seq_length()} tokens already (a second "
-                                       f"turn against a cached context is not supported yet); pass a new RingSPCache()")
+    if cache is not None and cache.get_seq_length() >= prompt.shape[1]:
+        return ValueError(f"{where}: past_key_values holds {cache.get_seq_length()} tokens, the prompt {prompt.shape[1]}: "
+                          f"a second turn passes the whole conversation (the cached tokens and the new ones)")
+    if cache is not None and cache.get_seq_length() and prompt.shape[0] != cache.batch_size:
+        return ValueError(f"{where}: past_key_values holds {cache.batch_size} rows, the prompt {prompt.shape[0]}")
     limit = None if cache is None else cache.limit
     wanted = prompt.shape[1] + (config.max_new_tokens if config.max_new_tokens is not None else
                                 max(config.max_length - prompt.shape[1], 0))
@@ -159,10 +163,11 @@ def agree_to_generate(model: Any, topology: Any, args: tuple, kwargs: dict[str, 
     values = (*dims, int(token_checksum(prompt)) if valid else -1, _arguments_code(config, kwargs),
               _random_code(prompt.device) if valid and config.do_sample else -1,
               -1 if kwargs.get("past_key_values") is None else (kwargs["past_key_values"].limit or 0),
-              -1 if mask is None else int(token_checksum(mask)))
+              -1 if mask is None else int(token_checksum(mask)),
+              -1 if kwargs.get("past_key_values") is None else kwargs["past_key_values"].get_seq_length())
     text = (f"generate(input_ids {dims}, prompt checksum {values[2]}, arguments checksum {values[3]}, random state "
             f"{values[4]} (seed every rank alike to sample), max_cache_len {values[5]}, padding mask checksum "
-            f"{values[6]})")
+            f"{values[6]}, cached tokens {values[7]})")
     raise_together(topology.sp_group, CallSignature.named("generate", values, text), error, validate=True,
                    device=prompt.device if valid else torch.device("cpu"))
     return kwargs
@@ -232,12 +237,8 @@ def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwar
     where = model_name(getattr(model, "config", None))
     if ids is None:
         raise UnsupportedFeatureError(f"{where}: a forward on a RingSPCache needs input_ids (inputs_embeds are not cut)")
-    if cache.get_seq_length():
-        if ids.shape[1] != 1:
-            raise UnsupportedFeatureError(f"{where}: {ids.shape[1]} new tokens against a RingSPCache of "
-                                          f"{cache.get_seq_length()} (chunked prefill, a second turn, speculative "
-                                          f"decoding) is not supported; ring_sp decodes one token per step")
-        token = _DECODING.set(_Decoding(cache, ids[:, -1]))
+    if cache.get_seq_length():  # a decode step, or a chunk (prefill_chunk_size, a second turn) against the cache
+        token = _DECODING.set(_Decoding(cache, ids))
         try:
             return call(**kwargs)
         finally:
@@ -270,14 +271,16 @@ def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwar
 
 def decode_call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kwargs: dict[str, Any], registration: Any) -> torch.Tensor:
-    """A decode step's attention layer: the new token against every rank's shard -> ``[b, 1, h, d_v]``."""
+    """A decode step's attention layer: the new token (or a chunk's ``c``) against every rank's shard
+    -> ``[b, c, h, d_v]`` (:func:`ring_sp.decode_attention`, :func:`ring_sp.chunk_attention`)."""
     state = _DECODING.get()
     options = ring_sp_call_options(module, query, key, None, kwargs, layout=registration.layout,
                                    backend=registration.backend)
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [b, h, 1, d] -> ring_sp [b, 1, h, d]
-    return decode_attention(q, k, v, state.cache.shard(module.layer_idx), group=registration.topology.sp_group,
-                            scale=options["softmax_scale"], window=options["sliding_window"], sinks=options["sinks"],
-                            backend=registration.backend, agree=state.tokens)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [b, h, c, d] -> ring_sp [b, c, h, d]
+    attend = decode_attention if q.shape[1] == 1 else partial(chunk_attention, exchange=state.cache.chunk_exchange)
+    return attend(q, k, v, state.cache.shard(module.layer_idx), group=registration.topology.sp_group,
+                  scale=options["softmax_scale"], window=options["sliding_window"], sinks=options["sinks"],
+                  backend=registration.backend, agree=state.tokens)
 
 
 __all__ = ["cached_forward", "decode_call", "decoding", "generate_together"]

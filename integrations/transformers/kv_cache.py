@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ring_sp.chunk_prefill import EXCHANGES
 from ring_sp.decode import ShardedKVCache
 
 from .features import UnsupportedFeatureError
@@ -88,20 +89,25 @@ class RingSPCache(Cache):
     ``generate`` then makes one) on every rank of the SP group with the same prompt and
     arguments. ``max_cache_len``: the tokens the cache holds in all (prompt + new; a generation
     that would exceed it raises on every rank before the prefill); None: each rank grows by
-    ``block`` tokens as needed. Pass a fresh (empty) cache per ``generate`` call.
+    ``block`` tokens as needed. A second turn passes the cache of the first with the whole
+    conversation: its new tokens attend to the cache by ``chunk_exchange`` (``"auto"``, ``"pass_q"``,
+    ``"pass_kv"``: :func:`ring_sp.chunk_attention`), as do the chunks of ``prefill_chunk_size``.
     """
 
     is_ring_sp = True  # what the forward guard looks for (attention.py imports nothing of transformers)
 
-    def __init__(self, max_cache_len: int | None = None, *, block: int = 256) -> None:
+    def __init__(self, max_cache_len: int | None = None, *, block: int = 256, chunk_exchange: str = "auto") -> None:
         if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
                                           or max_cache_len < 1):
             raise ValueError(f"max_cache_len={max_cache_len!r} must be a positive int (tokens in all) or None (grow)")
         if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block={block!r} must be a positive int (tokens a full rank grows by)")
+        if chunk_exchange not in EXCHANGES:
+            raise ValueError(f"chunk_exchange={chunk_exchange!r} must be one of {EXCHANGES}")
         super().__init__(layers=[])
         self.limit = max_cache_len  # (Cache has a read-only max_cache_len)
         self.block = block
+        self.chunk_exchange = chunk_exchange  # many new tokens against the cache: ring_sp.chunk_attention's exchange
         self.prefill: PrefillShard | None = None  # set by .generation around the prefill's forward
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
@@ -118,6 +124,11 @@ class RingSPCache(Cache):
         if shard is None:
             raise RuntimeError(f"layer {layer_idx} of the RingSPCache holds no prefill: generate() fills it")
         return shard
+
+    @property
+    def batch_size(self) -> int:
+        """Rows the cache holds (0 before the prefill)."""
+        return 0 if not self.layers or self.layers[0].shard is None else self.layers[0].shard.k.shape[0]
 
     @property
     def nbytes(self) -> int:

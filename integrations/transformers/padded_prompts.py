@@ -30,6 +30,8 @@ _NOT_ROW_BY_ROW: tuple[tuple[Callable[[Any, dict[str, Any]], bool], str], ...] =
     (lambda c, kw: bool(c.return_dict_in_generate), "return_dict_in_generate (scores and logits per step)"),
     (lambda c, kw: kw.get("streamer") is not None, "a streamer (it takes one row)"),
     (lambda c, kw: (c.min_length or 0) > 0, "min_length (it counts the padding; use min_new_tokens)"),
+    (lambda c, kw: kw.get("past_key_values") is not None and kw["past_key_values"].get_seq_length() > 0,
+     "a second turn (the first turn's cache holds the rows together)"),
 )
 
 
@@ -86,7 +88,7 @@ def generate_rows(generate_row: Callable[[dict[str, Any]], torch.Tensor], prompt
     rows = []
     for i, pad in enumerate(pads):
         if cache is not None:  # a cache of the same size per row (the batch's was checked against n + new)
-            rest["past_key_values"] = type(cache)(cache.limit, block=cache.block)
+            rest["past_key_values"] = type(cache)(cache.limit, block=cache.block, chunk_exchange=cache.chunk_exchange)
         rows.append(generate_row({**rest, "input_ids": prompt[i:i + 1, pad:], "max_new_tokens": new}))
     width = max(pad + row.shape[1] for pad, row in zip(pads, rows))
     fill = config.pad_token_id

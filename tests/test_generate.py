@@ -149,7 +149,8 @@ def test_prompts_of_different_lengths_equal_one_rank(pools, u: int, r: int) -> N
 def second_turn_case(exchange: str) -> dict[str, Any]:
     """U2xR2: a 300-token prompt prefilled in chunks of 128 (prefill_chunk_size), 8 tokens generated, then a
     second turn (the conversation + 40 new tokens) against the same cache, 8 more: against one rank's
-    DynamicCache doing the same, tokens equal and every step's logits within 1e-5."""
+    DynamicCache prefilling the prompt at once, then the same second turn, tokens equal and every step's
+    logits within 1e-5."""
     import dist_cases
     import ring_sp.integrations.transformers as rsp_hf
     from transformers import DynamicCache
@@ -162,9 +163,9 @@ def second_turn_case(exchange: str) -> dict[str, Any]:
     turn = torch.randint(1, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(9))
     options = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     results = {}
-    for name, m, cache in (("reference", reference, DynamicCache(config=reference.config)),
-                           ("sp", model, rsp_hf.RingSPCache(chunk_exchange=exchange))):
-        first = m.generate(prompt, past_key_values=cache, prefill_chunk_size=128, **options)
+    for name, m, cache, chunks in (("reference", reference, DynamicCache(config=reference.config), {}),
+                                   ("sp", model, rsp_hf.RingSPCache(chunk_exchange=exchange), {"prefill_chunk_size": 128})):
+        first = m.generate(prompt, past_key_values=cache, **chunks, **options)
         second = m.generate(torch.cat([first.sequences, turn], dim=1), past_key_values=cache, **options)
         results[name] = (first, second, cache.get_seq_length())
     (ref_first, ref_second, ref_len), (first, second, length) = results["reference"], results["sp"]

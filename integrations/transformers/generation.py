@@ -146,11 +146,13 @@ def _random_code(device: torch.device) -> int:
     return zlib.crc32(state.numpy().tobytes())
 
 
-def agree_to_generate(model: Any, topology: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+def agree_to_generate(model: Any, topology: Any, args: tuple,
+                      kwargs: dict[str, Any]) -> tuple[dict[str, Any], Any, torch.Tensor | None]:
     """The agreement of ``generate(model, *args, **kwargs)`` on every rank of ``topology``'s SP group
-    (what cannot be exact refused by name; prompt, arguments, cache size and, to sample, the random
-    state compared; one error on every rank), before any other collective. Returns the keyword
-    arguments with the prompt as ``input_ids``."""
+    (what cannot be exact refused by name; prompt, arguments, cache size and length, padding mask and,
+    to sample, the random state compared; one error on every rank), before any other collective.
+    Returns the keyword arguments with the prompt as ``input_ids``, the resolved GenerationConfig and
+    the prompt's padding mask (None: no padding)."""
     kwargs = dict(kwargs)
     if args:
         kwargs.setdefault("input_ids", args[0])
@@ -170,19 +172,16 @@ def agree_to_generate(model: Any, topology: Any, args: tuple, kwargs: dict[str, 
             f"{values[6]}, cached tokens {values[7]})")
     raise_together(topology.sp_group, CallSignature.named("generate", values, text), error, validate=True,
                    device=prompt.device if valid else torch.device("cpu"))
-    return kwargs
+    return kwargs, config, mask
 
 
 def generate_together(generate: Callable[..., Any], model: Any, topology: Any, args: tuple,
                       kwargs: dict[str, Any]) -> Any:
     """``generate(model, *args, **kwargs)`` on every rank of ``topology``'s SP group (see the module)."""
-    kwargs = agree_to_generate(model, topology, args, kwargs)
-    prompt = kwargs.get("input_ids", kwargs.get("inputs"))
-    config = _config(model, {k: v for k, v in kwargs.items() if k not in ("input_ids", "inputs")})
-    mask = prompt_mask(prompt, kwargs.get("attention_mask"), config)
+    kwargs, config, mask = agree_to_generate(model, topology, args, kwargs)
     if mask is not None:  # prompts of different lengths: each row alone (.padded_prompts)
-        return generate_rows(lambda row: _generate_on_sp_ranks(generate, model, topology, row), prompt,
-                             left_pads(mask), config, kwargs)
+        return generate_rows(lambda row: _generate_on_sp_ranks(generate, model, topology, row),
+                             kwargs.get("input_ids", kwargs.get("inputs")), left_pads(mask), config, kwargs)
     return _generate_on_sp_ranks(generate, model, topology, kwargs)
 
 

@@ -19,8 +19,9 @@ token and to each other, in one of two exchanges, exact both:
 * ``"auto"``: the exchange that moves fewer bytes (:func:`choose_exchange`): pass-Q while the chunk
   is short next to the cache (below ``c / n ~ h_kv / (R * h)`` or so), pass-KV for long chunks.
 
-Both start with one small all-gather of every rank's counts and the ``agree=`` values: ranks whose
-caches or tokens differ raise together before anything is sized from them. Every rank returns
+Both start with one small all-gather of every rank's cached total, the chunk's position and the
+``agree=`` values (:func:`~ring_sp.decode.gather_agreed`): ranks whose caches or tokens differ raise
+together before anything is sized from them. Every rank returns
 the same bits. Sliding windows are refused here (the cached keys a window cuts are not contiguous
 positions on a rank); decode one token at a time for those layers. Shapes: q ``[b, c, h, d]``,
 k/v ``[b, c, h_kv, d]`` / ``[b, c, h_kv, d_v]``.
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingComm
-from .decode import ShardedKVCache, _check_agreement, merge_over_ranks
+from .decode import ShardedKVCache, gather_agreed, merge_over_ranks
 from .kernels import AttentionKernel, get_kernel, softmax_stat_dtype
 from .merge import fold_sinks, merge_block_
 from .schedule import BlockTask, interval_blocks
@@ -75,7 +76,9 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Sh
     start, old = cache.total, list(cache.counts)
     bounds = cache.append_chunk(k, v)
     acc = softmax_stat_dtype(q.dtype)
-    _agree(cache, start, agree, group, q.device, acc)
+    # the agreement alone first (an empty payload): nothing below is sized from counts ranks disagree on
+    gather_agreed(q.new_empty(0, dtype=acc), (cache.total, start), cache.rank, group=group, agree=agree,
+                  kind="chunk_agreement")
     if exchange == "auto":
         exchange = choose_exchange(q.shape[1], old, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], k.element_size())
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -84,17 +87,6 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Sh
                            (0, q.shape[1]), scale, acc)
         return merge_over_ranks(out, lse, (cache.total, start), cache.rank, group=group, sinks=sinks).to(q.dtype)
     return _pass_kv(kernel, q, cache, old, bounds, scale, acc, group, sinks)
-
-
-def _agree(cache: ShardedKVCache, start: int, agree: torch.Tensor | None, group: dist.ProcessGroup | None,
-           device: torch.device, acc: torch.dtype) -> None:
-    """One small all-gather: every rank's cached total, the chunk's position and ``agree`` alike, else one
-    error everywhere (before any message is sized from the counts)."""
-    stamps = torch.tensor([cache.total, start], dtype=acc).to(device)
-    mine = torch.cat([agree.to(acc).flatten(), stamps]) if agree is not None else stamps
-    every = mine.new_empty(dist.get_world_size(group) * mine.numel())
-    RingComm.of(group).all_gather(every, mine, "chunk_agreement").wait()
-    _check_agreement(every.view(-1, mine.numel()), cache.rank, mine.numel() - 2)
 
 
 def _attend(kernel: AttentionKernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, old: int,

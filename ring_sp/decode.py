@@ -110,14 +110,8 @@ class ShardedKVCache:
         """Store one token's ``k`` ``[b, 1, h_kv, d]`` / ``v`` on :meth:`next_owner` (every rank calls it
         with the same token); returns its position."""
         owner, position = self.next_owner(), self.total
-        if self.counts[owner] == self.capacities[owner] and self.grow_by:  # every rank counts it; the owner grows
-            self.capacities[owner] += self.grow_by
-            if owner == self.rank:
-                self._grow(self.capacities[owner])
-        if self.counts[owner] == self.capacities[owner]:  # every rank knows: all raise, none waits
-            raise ValueError(f"the KV cache is full: token {position} would go to rank {owner}, which holds its "
-                             f"capacity of {self.capacities[owner]} tokens; the caches were sized for fewer tokens than "
-                             f"this generation needs (pass a larger capacity to ShardedKVCache.from_prefill)")
+        if self.counts[owner] == self.capacities[owner]:
+            self._make_room(owner, 1, position)
         if owner == self.rank:
             self.k[:, self.length] = k[:, 0]
             self.v[:, self.length] = v[:, 0]
@@ -135,21 +129,26 @@ class ShardedKVCache:
         bounds = [0]
         for r, (before, after) in enumerate(zip(self.counts, final)):
             bounds.append(bounds[-1] + after - before)
-            if after > self.capacities[r] and self.grow_by:  # every rank counts it; the owner grows
-                self.capacities[r] += -(-(after - self.capacities[r]) // self.grow_by) * self.grow_by
-                if r == self.rank:
-                    self._grow(self.capacities[r])
-        full = [r for r, count in enumerate(final) if count > self.capacities[r]]
-        if full:  # every rank knows: all raise, none waits
-            raise ValueError(f"the KV cache is full: {c} new tokens at position {start} need {final} tokens per rank, "
-                             f"but rank(s) {full} hold at most {[self.capacities[r] for r in full]}; the caches were "
-                             f"sized for fewer tokens than this generation needs")
+            if after > self.capacities[r]:
+                self._make_room(r, after - self.capacities[r], start + bounds[r] + self.capacities[r] - before)
         a, b = bounds[self.rank], bounds[self.rank + 1]
         n = self.length
         self.k[:, n: n + b - a], self.v[:, n: n + b - a] = k[:, a:b], v[:, a:b]
         self.positions[n: n + b - a] = torch.arange(start + a, start + b)
         self.counts = final
         return bounds
+
+    def _make_room(self, owner: int, missing: int, token: int) -> None:
+        """Rank ``owner`` lacks ``missing`` slots, ``token`` the first position that does not fit (every rank
+        calls it alike, from the same counts): with ``grow_by`` its capacity grows by whole blocks (its
+        storage too, on that rank), else every rank raises, none waits."""
+        if not self.grow_by:
+            raise ValueError(f"the KV cache is full: token {token} would go to rank {owner}, which holds its capacity "
+                             f"of {self.capacities[owner]} tokens; the caches were sized for fewer tokens than this "
+                             f"generation needs (pass a larger capacity to ShardedKVCache.from_prefill)")
+        self.capacities[owner] += -(-missing // self.grow_by) * self.grow_by
+        if owner == self.rank:
+            self._grow(self.capacities[owner])
 
     def _grow(self, capacity: int) -> None:
         """Move this rank's tokens into storage for ``capacity`` (one copy per ``grow_by`` tokens it receives)."""
@@ -236,26 +235,35 @@ def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, stamp: tuple[int, int
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Every rank's partial ``out`` ``[b, s, h, d_v]`` / ``lse`` ``[b, h, s]`` of the same queries, merged:
     ONE all-gather (in the softmax statistics' dtype) that also carries ``stamp`` (cached tokens, position)
-    and ``agree`` for the agreement (:func:`_check_agreement`), then the ring's merge, sinks folded in last.
+    and ``agree`` for the agreement (:func:`gather_agreed`), then the ring's merge, sinks folded in last.
     -> ``[b, s, h, d_v]`` in that dtype, the same bits on every rank (each merges the same parts alike)."""
-    acc = lse.dtype
     b, s, h, d_v = out.shape
-    # the stamp from the host's counts (a rank that counted otherwise must show it), pinned on CUDA (torch
-    # caches pinned blocks) so the copy does not wait for the GPU
-    stamps = torch.tensor(stamp, dtype=acc, pin_memory=out.is_cuda).to(out.device, non_blocking=True)
-    extra = agree.to(acc).flatten() if agree is not None else stamps[:0]
-    mine = torch.cat([out.to(acc).flatten(), lse.flatten(), extra, stamps])
-    world = dist.get_world_size(group)
-    gathered = mine.new_empty(world * mine.numel())
-    RingComm.of(group).all_gather(gathered, mine, "decode_partials").wait()
-    gathered = gathered.view(world, mine.numel())
-    split = b * s * h * d_v
-    _check_agreement(gathered[:, split + b * h * s:], rank, extra.numel())
+    gathered = gather_agreed(torch.cat([out.to(lse.dtype).flatten(), lse.flatten()]), stamp, rank, group=group,
+                             agree=agree, kind="decode_partials")
+    world, split = gathered.shape[0], b * s * h * d_v  # every rank merges the same parts alike: the same bits
     merged_out, merged_lse = merge_partials(gathered[:, :split].view(world, b, s, h, d_v),
-                                            gathered[:, split: split + b * h * s].view(world, b, h, s))
+                                            gathered[:, split:].view(world, b, h, s))
     if sinks is not None:
         merged_out, merged_lse = fold_sinks(merged_out, merged_lse, sinks)
     return merged_out
+
+
+def gather_agreed(payload: torch.Tensor, stamp: tuple[int, int], rank: int, *, group: dist.ProcessGroup | None,
+                  agree: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """Every rank's flat ``payload`` (float32/64) in ONE all-gather that also carries ``stamp`` (cached tokens,
+    position, from the host's counts: a rank that counted otherwise must show it) and ``agree``, compared
+    on every rank (:func:`_check_agreement`: one error everywhere) -> ``[world, payload.numel()]``."""
+    acc = payload.dtype
+    # the stamp pinned on CUDA (torch caches pinned blocks) so the copy does not wait for the GPU
+    stamps = torch.tensor(stamp, dtype=acc, pin_memory=payload.is_cuda).to(payload.device, non_blocking=True)
+    extra = agree.to(acc).flatten() if agree is not None else stamps[:0]
+    mine = torch.cat([payload, extra, stamps])
+    world = dist.get_world_size(group)
+    gathered = mine.new_empty(world * mine.numel())
+    RingComm.of(group).all_gather(gathered, mine, kind).wait()
+    gathered = gathered.view(world, mine.numel())
+    _check_agreement(gathered[:, payload.numel():], rank, extra.numel())
+    return gathered[:, : payload.numel()]
 
 
 def _check_agreement(stamps: torch.Tensor, rank: int, extra: int) -> None:
@@ -274,4 +282,4 @@ def _check_agreement(stamps: torch.Tensor, rank: int, extra: int) -> None:
                            f"same tokens")
 
 
-__all__ = ["ShardedKVCache", "decode_attention", "final_counts", "merge_over_ranks"]
+__all__ = ["ShardedKVCache", "decode_attention", "final_counts", "gather_agreed", "merge_over_ranks"]

@@ -282,4 +282,4 @@ def decode_call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   backend=registration.backend, agree=state.tokens)
 
 
-__all__ = ["cached_forward", "decode_call", "decoding", "generate_together"]
+__all__ = ["agree_to_generate", "cached_forward", "decode_call", "decoding", "generate_together"]

@@ -40,13 +40,18 @@ def prompt_mask(prompt: torch.Tensor, mask: Any, config: Any) -> torch.Tensor | 
     transformers infers (zeros at ``pad_token_id`` when it is in the prompt and is not an eos token);
     None when it has no zero."""
     if mask is None:
-        pad, eos = config.pad_token_id, config.eos_token_id
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        if pad is None or pad in eos or not bool((prompt == pad).any()):
+        pad = config.pad_token_id
+        if pad is None or pad in _eos_ids(config) or not bool((prompt == pad).any()):
             return None
         mask = prompt != pad
     mask = torch.as_tensor(mask)
     return None if bool(mask.all()) else mask
+
+
+def _eos_ids(config: Any) -> list[int]:
+    """The config's eos token ids as a list (transformers takes None, one id or several)."""
+    eos = config.eos_token_id
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
 
 def left_pads(mask: torch.Tensor) -> list[int] | None:
@@ -92,8 +97,8 @@ def generate_rows(generate_row: Callable[[dict[str, Any]], torch.Tensor], prompt
         rows.append(generate_row({**rest, "input_ids": prompt[i:i + 1, pad:], "max_new_tokens": new}))
     width = max(pad + row.shape[1] for pad, row in zip(pads, rows))
     fill = config.pad_token_id
-    if fill is None and config.eos_token_id is not None:  # as transformers pads a stopped row without a pad token
-        fill = config.eos_token_id if isinstance(config.eos_token_id, int) else list(config.eos_token_id)[0]
+    if fill is None and _eos_ids(config):  # as transformers pads a stopped row without a pad token
+        fill = _eos_ids(config)[0]
     out = prompt.new_full((len(pads), width), -1 if fill is None else fill)
     for i, (pad, row) in enumerate(zip(pads, rows)):
         out[i, :pad] = prompt[i, :pad]

@@ -180,6 +180,47 @@ def test_chunked_prefill_and_a_second_turn_equal_one_rank(pools, exchange: str) 
         assert res["cached"][0] == res["cached"][1] == 300 + 8 + 40 + 7, (rank, res["cached"])
 
 
+def other_cache_case() -> str:
+    """A second turn where rank 3 passes a fresh RingSPCache instead of the first turn's: the error every rank raises."""
+    import torch.distributed as dist
+
+    import dist_cases
+    import ring_sp.integrations.transformers as rsp_hf
+
+    rsp_hf.register(dist_cases.topology(2, 2))
+    _, model = _models("llama")
+    prompt = torch.randint(1, 64, (1, 40), generator=torch.Generator().manual_seed(3))
+    cache = rsp_hf.RingSPCache()
+    first = model.generate(prompt, max_new_tokens=4, pad_token_id=0, past_key_values=cache)
+    if dist.get_rank() == 3:
+        cache = rsp_hf.RingSPCache()
+    try:
+        model.generate(torch.cat([first, prompt[:, :5]], dim=1), max_new_tokens=2, pad_token_id=0, past_key_values=cache)
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_second_turn_with_another_cache_on_one_rank_is_one_error(pools) -> None:
+    for rank, error in enumerate(pools.get(4).run(other_cache_case, timeout=120)):
+        assert re.search(r"rank\(s\) \[3\].*cached tokens", error, re.S), f"rank {rank}: {error}"
+
+
+def test_malformed_padding_masks_and_callback_arguments_are_named() -> None:
+    """What a user builds by hand, checked without ranks: masks that are not left padding (a hole, a row of
+    padding only, padding on the right) and GenerationCallback's prompts and interval."""
+    from ring_sp.integrations.transformers.generation_callback import GenerationCallback
+    from ring_sp.integrations.transformers.padded_prompts import left_pads
+
+    assert left_pads(torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])) == [2, 1]
+    for bad in ([[1, 0, 1, 1]], [[0, 0, 0, 0], [1, 1, 1, 1]], [[1, 1, 1, 0]]):
+        assert left_pads(torch.tensor(bad)) is None, bad
+    with pytest.raises(ValueError, match=r"prompts must be token ids \[batch, prompt\]; got Tensor \(2, 3\)"):
+        GenerationCallback(torch.zeros(2, 3), every=1)
+    with pytest.raises(ValueError, match="every=0 must be a positive int"):
+        GenerationCallback(torch.ones(2, 3, dtype=torch.long), every=0)
+
+
 def bad_generation_case(what: str) -> str:
     """One bad input on one rank or every rank: the error every rank raises (or "no error")."""
     import torch.distributed as dist

@@ -21,13 +21,22 @@ token and to each other, in one of two exchanges, exact both:
 
 Both start with one small all-gather of every rank's cached total, the chunk's position and the
 ``agree=`` values (:func:`~ring_sp.decode.gather_agreed`): ranks whose caches or tokens differ raise
-together before anything is sized from them. Every rank returns
-the same bits. Sliding windows are refused here (the cached keys a window cuts are not contiguous
-positions on a rank); decode one token at a time for those layers. Shapes: q ``[b, c, h, d]``,
-k/v ``[b, c, h_kv, d]`` / ``[b, c, h_kv, d_v]``.
+together before anything is sized from them. Every rank returns the same bits.
+
+A sliding ``window`` (query at position ``p`` sees keys ``p - window < j <= p``) runs by pass-Q
+(``auto`` picks it; ``pass_kv`` with a window is an error: it would gather whole shards most of
+which the window hides). A rank's cached keys need not be consecutive positions (zigzag's two
+runs, striped's stride, decode's round-robin appends), so the window is cut on the positions: the
+keys every chunk query sees are one full block, the keys none sees are skipped, and the few in
+between (positions within ``c`` of the window's edge) are cut into runs of consecutive positions,
+each a band (:func:`ring_sp.schedule.band_blocks`: one call with a kernel that takes windows, full,
+causal and edge squares with the fused torch ops). Shapes: q ``[b, c, h, d]``, k/v
+``[b, c, h_kv, d]`` / ``[b, c, h_kv, d_v]``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,7 +45,9 @@ from .comm import RingComm
 from .decode import ShardedKVCache, gather_agreed, merge_over_ranks
 from .kernels import AttentionKernel, get_kernel, softmax_stat_dtype
 from .merge import fold_sinks, merge_block_
-from .schedule import BlockTask, interval_blocks
+from .schedule import BlockTask, band_blocks, interval_blocks
+from .schedule.blocks import shifted
+from .schedule.documents import position_runs
 
 EXCHANGES = ("auto", "pass_q", "pass_kv")
 
@@ -69,41 +80,72 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Sh
                          f"k {tuple(cache.k.shape)} / v {tuple(cache.v.shape)} (batch, KV heads, head sizes)")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} must be one of {EXCHANGES}")
-    if window is not None:
-        raise ValueError(f"window={window}: a chunk of {q.shape[1]} tokens against a sliding-window layer's sharded "
-                         f"cache is not supported; decode its tokens one at a time (decode_attention takes windows)")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r} must be a positive int (keys a token sees, itself included) or None")
+    if window is not None and exchange == "pass_kv":
+        raise ValueError(f"exchange='pass_kv' with window={window}: a sliding-window layer's chunk passes queries "
+                         f"(it would gather whole shards the window mostly hides); use 'pass_q' or 'auto'")
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], v.shape[-1])  # on every rank, before any message
     start, old = cache.total, list(cache.counts)
     bounds = cache.append_chunk(k, v)
     acc = softmax_stat_dtype(q.dtype)
-    # the agreement alone first (an empty payload): nothing below is sized from counts ranks disagree on
+    # the agreement alone first (an empty payload, a fixed size): nothing below is sized from counts or a chunk
+    # length ranks disagree on (pass-Q's partials are [b, c, h, d_v]: a rank with another c would mismatch them)
     gather_agreed(q.new_empty(0, dtype=acc), (cache.total, start), cache.rank, group=group, agree=agree,
                   kind="chunk_agreement")
-    if exchange == "auto":
+    if exchange == "auto" and window is not None:
+        exchange = "pass_q"
+    elif exchange == "auto":
         exchange = choose_exchange(q.shape[1], old, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], k.element_size())
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if exchange == "pass_q":
-        out, lse = _attend(kernel, q, cache.k, cache.v, old[cache.rank], (bounds[cache.rank], bounds[cache.rank + 1]),
-                           (0, q.shape[1]), scale, acc)
+        keys = _Keys(cache.k, cache.v, old[cache.rank], (bounds[cache.rank], bounds[cache.rank + 1]),
+                     cache.positions[: old[cache.rank]] - start)
+        out, lse = _attend(kernel, q, keys, (0, q.shape[1]), scale, acc, window)
         return merge_over_ranks(out, lse, (cache.total, start), cache.rank, group=group, sinks=sinks).to(q.dtype)
     return _pass_kv(kernel, q, cache, old, bounds, scale, acc, group, sinks)
 
 
-def _attend(kernel: AttentionKernel, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, old: int,
-            piece: tuple[int, int], rows: tuple[int, int], scale: float,
-            acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk queries ``rows`` (chunk coordinates; ``q`` holds exactly them) against one shard: its ``old``
-    cached tokens (before the chunk: all visible) and its piece ``[a, b)`` of the chunk, stored right after
-    them (causal). -> ``(out [b, rows, h, d_v], lse [b, h, rows])`` in ``acc``; a row seeing no key: 0, -inf."""
+class _Keys(NamedTuple):
+    """One shard as a chunk's queries see it: ``old`` cached tokens (all before the chunk) in the first slots of
+    ``k`` / ``v``, then its ``piece`` ``[a, b)`` of the chunk (chunk coordinates). ``positions``: the old tokens'
+    positions relative to the chunk's first token (negative, increasing; host), needed only with a window."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    old: int
+    piece: tuple[int, int]
+    positions: torch.Tensor | None = None
+
+
+def _blocks(keys: _Keys, rows: tuple[int, int], window: int | None, native_window: bool) -> list[BlockTask]:
+    """The blocks (query rows relative to ``rows[0]``, key slots of the shard) that cover exactly what chunk
+    queries ``rows`` see of ``keys``: causal within the chunk, and inside ``window`` when one is given."""
+    (r0, r1), a = rows, keys.piece[0]
+    if window is None:
+        blocks = [BlockTask(slice(0, r1 - r0), slice(0, keys.old), False)] if keys.old else []
+        return blocks + [shifted(t, -r0, keys.old - a) for t in interval_blocks(rows, keys.piece, True)]
+    old = keys.positions
+    seen_by_first = int(torch.searchsorted(old, r0 - window, right=True))  # slots before: seen by no row
+    seen_by_all = int(torch.searchsorted(old, r1 - 1 - window, right=True))  # slots from here: seen by every row
+    blocks = [BlockTask(slice(0, r1 - r0), slice(seen_by_all, keys.old), False)] if seen_by_all < keys.old else []
+    for local, stop, first, _ in position_runs(old[seen_by_first: seen_by_all], None):  # runs of consecutive positions
+        slot = seen_by_first + local
+        blocks += [shifted(t, -r0, slot - first) for t in band_blocks(rows, (first, first + stop - local), window,
+                                                                       native_window)]
+    return blocks + [shifted(t, -r0, keys.old - a) for t in band_blocks(rows, keys.piece, window, native_window)]
+
+
+def _attend(kernel: AttentionKernel, q: torch.Tensor, keys: _Keys, rows: tuple[int, int], scale: float,
+            acc: torch.dtype, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk queries ``rows`` (chunk coordinates; ``q`` holds exactly them) against one shard (:class:`_Keys`)
+    -> ``(out [b, rows, h, d_v], lse [b, h, rows])`` in ``acc``; a row seeing no key: 0, -inf."""
     b, s, h, _ = q.shape
-    out = q.new_zeros(b, s, h, values.shape[-1], dtype=acc)
+    out = q.new_zeros(b, s, h, keys.v.shape[-1], dtype=acc)
     lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=q.device)
-    blocks = [BlockTask(slice(0, s), slice(0, old), False)] if old else []
-    a, r0 = piece[0], rows[0]
-    blocks += [BlockTask(slice(t.q.start - r0, t.q.stop - r0), slice(t.kv.start - a + old, t.kv.stop - a + old), t.causal)
-               for t in interval_blocks(rows, piece, True)]
-    for t in blocks:
-        part, part_lse = kernel.forward(q[:, t.q], keys[:, t.kv], values[:, t.kv], causal=t.causal, scale=scale)
+    for t in _blocks(keys, rows, window, bool(getattr(kernel, "supports_window", False))):
+        part, part_lse = kernel.forward(q[:, t.q], keys.k[:, t.kv], keys.v[:, t.kv], causal=t.causal, scale=scale,
+                                        window=t.window, diagonal=t.diagonal)
         merge_block_(out[:, t.q], lse[:, :, t.q], part, part_lse)
     return out, lse
 
@@ -131,8 +173,8 @@ def _pass_kv(kernel: AttentionKernel, q: torch.Tensor, cache: ShardedKVCache, ol
     if rows[0] < rows[1]:
         mine_q = q[:, rows[0]: rows[1]]
         for source in range(world):
-            part, part_lse = _attend(kernel, mine_q, shards[0][source], shards[1][source], old[source],
-                                     (bounds[source], bounds[source + 1]), rows, scale, acc)
+            part, part_lse = _attend(kernel, mine_q, _Keys(shards[0][source], shards[1][source], old[source],
+                                                           (bounds[source], bounds[source + 1])), rows, scale, acc)
             merge_block_(out[:, : rows[1] - rows[0]], lse[:, :, : rows[1] - rows[0]], part, part_lse)
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)

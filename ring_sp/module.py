@@ -110,7 +110,7 @@ class SequenceParallelAttention(nn.Module):
         """``c`` new tokens (q ``[b, c, h, d]``, k/v ``[b, c, h_kv, d]``, the same on every rank of the SP group)
         after ``cache`` and causally among themselves, their keys and values stored first: a prompt's next
         chunk or a second turn -> ``[b, c, h, d_v]``, equal on every rank (:func:`ring_sp.chunk_attention`;
-        ``exchange``: ``"auto"``, ``"pass_q"`` or ``"pass_kv"``). Not for a module with a sliding window."""
+        ``exchange``: ``"auto"``, ``"pass_q"`` or ``"pass_kv"``; with the module's sliding window: pass-Q)."""
         return chunk_attention(q, k, v, cache, group=self.topology.sp_group, scale=self.softmax_scale,
                                window=self.sliding_window, sinks=sinks, backend=self.backend, exchange=exchange)
 

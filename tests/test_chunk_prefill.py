@@ -3,7 +3,8 @@
 A prompt prefilled through the ring (any layout), then chunks of new tokens alternating with
 decode steps: each chunk's output equals the float64 oracle of its queries against every token
 so far, by pass-Q and by pass-KV alike (and ``auto``), on every rank bit for bit; the shards stay
-balanced and gathered they are the whole cache. Ranks whose chunks differ raise together.
+balanced and gathered they are the whole cache. Sliding windows (pass-Q) against the windowed oracle,
+striped, zigzag and contiguous. Ranks whose chunks differ raise together.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ring_sp
+from dist_cases import window_mask
 from oracle import OUT_TOL, make_inputs, oracle_attention
 from ring_sp.chunk_prefill import choose_exchange
 from ring_sp.decode import ShardedKVCache, decode_attention
@@ -25,9 +27,9 @@ STEPS = (("chunk", 9), ("decode", 1), ("chunk", 5), ("decode", 1), ("chunk", 1))
 
 
 def chunk_case(layout: str, exchanges: tuple[str, str], sinks: bool, d_v: int | None, dtype: str = "float64",
-               grid: tuple[int, int] | None = None) -> dict:
-    """The prompt prefilled, then :data:`STEPS`; the chunks alternate ``exchanges``. Errors per step against the
-    oracle, the last output, the cache's counts and positions."""
+               grid: tuple[int, int] | None = None, window: int | None = None, backend: str = "auto") -> dict:
+    """The prompt prefilled, then :data:`STEPS`; the chunks alternate ``exchanges``; ``window``: a sliding
+    window in every call. Errors per step against the oracle, the last output, the cache's counts and positions."""
     topo = ring_sp.init_sequence_parallel(*grid) if grid else None
     rank, world = (topo.sp_rank, topo.sp_size) if topo else (dist.get_rank(), dist.get_world_size())
     group = topo.sp_group if topo else None
@@ -38,15 +40,16 @@ def chunk_case(layout: str, exchanges: tuple[str, str], sinks: bool, d_v: int | 
     prompt_k, prompt_v = (ring_sp.shard_sequence(x[:, :PROMPT], rank=rank, world_size=world, layout=layout) for x in (k, v))
     cache = ShardedKVCache.from_prefill(prompt_k, prompt_v, rank_positions(layout, world, PROMPT, rank),
                                         capacity=PROMPT // world + math.ceil((total - PROMPT) / world), group=group)
-    want, _ = oracle_attention(q, k, v, causal=True, sinks=s)
+    want, _ = oracle_attention(q, k, v, causal=True, sinks=s, mask=None if window is None else window_mask(total, window))
     errors, at, chunks = [], PROMPT, 0
     for kind, n in STEPS:
         new = slice(at, at + n)
         if kind == "decode":
-            out = decode_attention(q[:, new], k[:, new], v[:, new], cache, sinks=s, group=group)
+            out = decode_attention(q[:, new], k[:, new], v[:, new], cache, sinks=s, group=group, window=window,
+                                   backend=backend)
         else:
             out = ring_sp.chunk_attention(q[:, new], k[:, new], v[:, new], cache, sinks=s, group=group,
-                                          exchange=exchanges[chunks % 2])
+                                          exchange=exchanges[chunks % 2], window=window, backend=backend)
             chunks += 1
         assert out.dtype == dt and out.shape == (2, n, 4, v.shape[-1])
         errors.append((out.double() - want[:, new]).abs().max().item())
@@ -108,9 +111,28 @@ def test_chunks_that_differ_raise_on_every_rank(pools) -> None:
         assert "the ranks decode different tokens: rank(s) [1]" in error, error
 
 
-def test_a_window_is_refused_by_name() -> None:
+@pytest.mark.parametrize("world,layout,window,backend,sinks", [
+    (4, "striped", 7, "auto", False),       # strided keys: the window's edge cuts runs of one token
+    (3, "zigzag", 13, "reference", True),   # a kernel that takes bands whole; the edge inside decoded tokens
+    (2, "contiguous", 1, "auto", False),    # each token sees itself alone
+])
+def test_chunks_of_a_sliding_window_layer_equal_the_oracle(pools, world: int, layout: str, window: int, backend: str,
+                                                           sinks: bool) -> None:
+    """Chunks against a window's layer (pass-Q: ``auto`` picks it), decode steps between them: float64 oracle
+    of the causal sliding window, on every rank alike."""
+    results = pools.get(world).run(chunk_case, layout, ("auto", "pass_q"), sinks, None, "float64", None, window, backend)
+    for result in results:
+        assert max(result["errors"]) <= OUT_TOL[torch.float64].atol, result["errors"]
+        assert torch.equal(result["out"], results[0]["out"]) and result["k_ok"]
+
+
+def test_a_window_with_pass_kv_or_a_bad_window_is_refused_by_name() -> None:
     inputs = make_inputs(0, 1, 4, 2, 1, 4, torch.float32)
     cache = ShardedKVCache.holding(inputs["k"][:, :2], inputs["v"][:, :2], torch.arange(2), rank=0, counts=[2],
                                    capacities=[4])
-    with pytest.raises(ValueError, match="window=3: a chunk of 2 tokens against a sliding-window layer"):
-        ring_sp.chunk_attention(inputs["q"][:, 2:], inputs["k"][:, 2:], inputs["v"][:, 2:], cache, window=3)
+    new = [inputs[x][:, 2:] for x in ("q", "k", "v")]
+    with pytest.raises(ValueError, match="exchange='pass_kv' with window=3: a sliding-window layer's chunk passes q"):
+        ring_sp.chunk_attention(*new, cache, window=3, exchange="pass_kv")
+    with pytest.raises(ValueError, match="window=0 must be a positive int"):
+        ring_sp.chunk_attention(*new, cache, window=0)
+    assert cache.counts == [2]  # refused before anything was stored

@@ -146,7 +146,7 @@ def test_prompts_of_different_lengths_equal_one_rank(pools, u: int, r: int) -> N
         assert res == {"equal": True, "inferred_equal": True, "eos_equal": True, "eos_padded": True}, (rank, res)
 
 
-def second_turn_case(exchange: str) -> dict[str, Any]:
+def second_turn_case(exchange: str, arch: str = "llama", **overrides: Any) -> dict[str, Any]:
     """U2xR2: a 300-token prompt prefilled in chunks of 128 (prefill_chunk_size), 8 tokens generated, then a
     second turn (the conversation + 40 new tokens) against the same cache, 8 more: against one rank's
     DynamicCache prefilling the prompt at once, then the same second turn, tokens equal and every step's
@@ -156,7 +156,7 @@ def second_turn_case(exchange: str) -> dict[str, Any]:
     from transformers import DynamicCache
 
     rsp_hf.register(dist_cases.topology(2, 2))
-    reference, model = _models("llama")
+    reference, model = _models(arch, **overrides)
     for m in (reference, model):
         m.generation_config.eos_token_id = None
     prompt = torch.randint(1, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(8))
@@ -172,9 +172,13 @@ def second_turn_case(exchange: str) -> dict[str, Any]:
     return {"first": _compare(ref_first, first), "second": _compare(ref_second, second), "cached": (length, ref_len)}
 
 
-@pytest.mark.parametrize("exchange", ["pass_q", "pass_kv"])
-def test_chunked_prefill_and_a_second_turn_equal_one_rank(pools, exchange: str) -> None:
-    for rank, res in enumerate(pools.get(4).run(second_turn_case, exchange, timeout=300)):
+@pytest.mark.parametrize("exchange,arch,overrides", [
+    ("pass_q", "llama", {}),
+    ("pass_kv", "llama", {}),
+    ("auto", "mistral", {"sliding_window": 100}),  # the window's edge inside the zigzag shards: pass-Q by bands
+], ids=["pass_q", "pass_kv", "mistral-window-auto"])
+def test_chunked_prefill_and_a_second_turn_equal_one_rank(pools, exchange: str, arch: str, overrides: dict) -> None:
+    for rank, res in enumerate(pools.get(4).run(second_turn_case, exchange, arch, timeout=300, **overrides)):
         for turn in ("first", "second"):
             assert res[turn]["tokens_equal"] and res[turn]["logits_rel"] < LOGITS_RTOL, (rank, turn, res)
         assert res["cached"][0] == res["cached"][1] == 300 + 8 + 40 + 7, (rank, res["cached"])

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingComm
-from .decode import ShardedKVCache, gather_agreed, merge_over_ranks
+from .decode import ShardedKVCache, check_window, gather_agreed, merge_over_ranks
 from .kernels import AttentionKernel, get_kernel, softmax_stat_dtype
 from .merge import fold_sinks, merge_block_
 from .schedule import BlockTask, band_blocks, interval_blocks
@@ -80,8 +80,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Sh
                          f"k {tuple(cache.k.shape)} / v {tuple(cache.v.shape)} (batch, KV heads, head sizes)")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} must be one of {EXCHANGES}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window={window!r} must be a positive int (keys a token sees, itself included) or None")
+    check_window(window, cache)
     if window is not None and exchange == "pass_kv":
         raise ValueError(f"exchange='pass_kv' with window={window}: a sliding-window layer's chunk passes queries "
                          f"(it would gather whole shards the window mostly hides); use 'pass_q' or 'auto'")
@@ -99,8 +98,9 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Sh
         exchange = choose_exchange(q.shape[1], old, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], k.element_size())
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if exchange == "pass_q":
-        keys = _Keys(cache.k, cache.v, old[cache.rank], (bounds[cache.rank], bounds[cache.rank + 1]),
-                     cache.positions[: old[cache.rank]] - start)
+        piece = (bounds[cache.rank], bounds[cache.rank + 1])
+        held = cache.held - (piece[1] - piece[0])  # slots before the piece (a window's cache may have dropped some)
+        keys = _Keys(cache.k, cache.v, held, piece, cache.positions[:held] - start)
         out, lse = _attend(kernel, q, keys, (0, q.shape[1]), scale, acc, window)
         return merge_over_ranks(out, lse, (cache.total, start), cache.rank, group=group, sinks=sinks).to(q.dtype)
     return _pass_kv(kernel, q, cache, old, bounds, scale, acc, group, sinks)

@@ -47,13 +47,23 @@ class ShardedKVCache:
     counts: list[int] = field(default_factory=list)
     capacities: list[int] = field(default_factory=list)
     grow_by: int = 0  # 0: a full rank is an error; else a full owner gets this many more slots (every rank counts it)
+    # a sliding window's layer: keys no later token can see (position <= next - window) are dropped, so the storage
+    # holds about this rank's share of the window, not of the sequence (counts and capacities stay the tokens given)
+    window: int | None = None
+    held: int = -1  # slots filled (-1: counts[rank], all of them; a window's cache holds fewer)
+
+    def __post_init__(self) -> None:
+        if self.held < 0:
+            self.held = self.counts[self.rank]
 
     @property
     def length(self) -> int:
-        return self.counts[self.rank]
+        """Slots filled: ``k[:, :length]`` (every token given to this rank; with a window, those not dropped)."""
+        return self.held
 
     @property
     def capacity(self) -> int:
+        """Slots of storage on this rank."""
         return self.k.shape[1]
 
     @property
@@ -68,10 +78,11 @@ class ShardedKVCache:
 
     @staticmethod
     def from_prefill(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, capacity: int,
-                     group: dist.ProcessGroup | None = None) -> ShardedKVCache:
+                     group: dist.ProcessGroup | None = None, window: int | None = None) -> ShardedKVCache:
         """The cache of this rank after a prefill: ``k`` ``[b, n, h_kv, d]`` / ``v`` of the ``n`` tokens
         this rank held (its shard, as the ring attention saw it), their global ``positions`` ``[n]``
-        (:func:`ring_sp.layouts.rank_positions`), room for ``capacity`` tokens on this rank. Every rank
+        (:func:`ring_sp.layouts.rank_positions`), room for ``capacity`` tokens on this rank. ``window``: the
+        layer's sliding window (see the field; every call on the cache then takes that window). Every rank
         of ``group`` (None: the default group) calls it: one all-gather of the shard lengths and capacities."""
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [b, n, h_kv, d] with equal b, n, h_kv")
@@ -88,19 +99,26 @@ class ShardedKVCache:
         RingComm.of(group).all_gather(sizes, torch.tensor([k.shape[1], capacity]), "decode_cache_sizes").wait()
         sizes = sizes.view(size, 2)
         return ShardedKVCache.holding(k, v, positions, rank=rank, counts=sizes[:, 0].tolist(),
-                                      capacities=sizes[:, 1].tolist())
+                                      capacities=sizes[:, 1].tolist(), window=window)
 
     @staticmethod
     def holding(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, rank: int, counts: list[int],
-                capacities: list[int], grow_by: int = 0) -> ShardedKVCache:
+                capacities: list[int], grow_by: int = 0, window: int | None = None) -> ShardedKVCache:
         """A cache holding ``k`` ``[b, n, h_kv, d]`` / ``v`` at ``positions`` ``[n]`` (host, increasing) on
         ring rank ``rank``, when every rank's ``counts`` and ``capacities`` are known without asking (no
-        communication; ``counts[rank]`` must be ``n``). ``grow_by``: see the field."""
+        communication; ``counts[rank]`` must be ``n``). ``grow_by``, ``window``: see the fields (with a
+        window only the keys the next token can see are copied in)."""
         if counts[rank] != k.shape[1] or capacities[rank] < k.shape[1] or positions.shape != (k.shape[1],):
             raise ValueError(f"rank {rank} holds {k.shape[1]} tokens at {tuple(positions.shape)} positions, but its count "
                              f"is {counts[rank]} and its capacity {capacities[rank]}")
-        return ShardedKVCache(*_slots(k, v, positions.cpu(), capacities[rank]), rank, list(counts), list(capacities),
-                              grow_by)
+        check_window(window)
+        positions, size = positions.cpu(), capacities[rank]
+        if window is not None:  # the next token (at sum(counts)) sees positions > sum(counts) - window: a suffix
+            first = int(torch.searchsorted(positions, sum(counts) - window, right=True))
+            k, v, positions = k[:, first:], v[:, first:], positions[first:]
+            size = min(size, 2 * k.shape[1] + 1)  # room to append before the first drop
+        return ShardedKVCache(*_slots(k, v, positions, size), rank, list(counts), list(capacities), grow_by, window,
+                              held=k.shape[1])
 
     def next_owner(self) -> int:
         """The rank the next token's key and value go to: the fewest cached tokens, ties the lowest rank."""
@@ -113,9 +131,11 @@ class ShardedKVCache:
         if self.counts[owner] == self.capacities[owner]:
             self._make_room(owner, 1, position)
         if owner == self.rank:
-            self.k[:, self.length] = k[:, 0]
-            self.v[:, self.length] = v[:, 0]
-            self.positions[self.length] = position
+            self._fit(1, position)
+            self.k[:, self.held] = k[:, 0]
+            self.v[:, self.held] = v[:, 0]
+            self.positions[self.held] = position
+            self.held += 1
         self.counts[owner] += 1
         return position
 
@@ -132,10 +152,11 @@ class ShardedKVCache:
             if after > self.capacities[r]:
                 self._make_room(r, after - self.capacities[r], start + bounds[r] + self.capacities[r] - before)
         a, b = bounds[self.rank], bounds[self.rank + 1]
-        n = self.length
+        self._fit(b - a, start)
+        n = self.held
         self.k[:, n: n + b - a], self.v[:, n: n + b - a] = k[:, a:b], v[:, a:b]
         self.positions[n: n + b - a] = torch.arange(start + a, start + b)
-        self.counts = final
+        self.counts, self.held = final, n + b - a
         return bounds
 
     def _make_room(self, owner: int, missing: int, token: int) -> None:
@@ -147,13 +168,35 @@ class ShardedKVCache:
                              f"of {self.capacities[owner]} tokens; the caches were sized for fewer tokens than this "
                              f"generation needs (pass a larger capacity to ShardedKVCache.from_prefill)")
         self.capacities[owner] += -(-missing // self.grow_by) * self.grow_by
-        if owner == self.rank:
-            self._grow(self.capacities[owner])
+        if owner == self.rank and self.window is None:  # (a window's storage is sized by _fit)
+            self._move(0, self.capacities[owner])
 
-    def _grow(self, capacity: int) -> None:
-        """Move this rank's tokens into storage for ``capacity`` (one copy per ``grow_by`` tokens it receives)."""
-        n = self.length
-        self.k, self.v, self.positions = _slots(self.k[:, :n], self.v[:, :n], self.positions[:n], capacity)
+    def _fit(self, n: int, position: int) -> None:
+        """Storage for ``n`` more tokens on this rank, the first at ``position``. Without a window it was sized
+        with the capacity (:meth:`_make_room`). With one, once full: the keys no token from ``position`` on can
+        see are dropped (``<= position - window``) and the rest moved into storage twice their size (within the
+        capacity): one copy per about as many tokens appended as the rank holds."""
+        if self.held + n <= self.capacity or self.window is None:
+            return
+        dead = int(torch.searchsorted(self.positions[: self.held], position - self.window, right=True))
+        live = self.held - dead
+        self._move(dead, min(self.capacities[self.rank], max(self.capacity, 2 * (live + n))))
+
+    def _move(self, first: int, size: int) -> None:
+        """Slots ``[first, held)`` moved into new storage of ``size`` slots (a copy)."""
+        n = self.held
+        self.k, self.v, self.positions = _slots(self.k[:, first:n], self.v[:, first:n], self.positions[first:n], size)
+        self.held = n - first
+
+
+def check_window(window: int | None, cache: ShardedKVCache | None = None) -> None:
+    """``window`` is a positive int or None, and, for a call on ``cache``, the window the cache was made for
+    (a cache with a window dropped the keys outside it)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r} must be a positive int (keys a token sees, itself included) or None")
+    if cache is not None and cache.window is not None and window != cache.window:
+        raise ValueError(f"window={window} on a cache made for window={cache.window} (ShardedKVCache.window: it kept "
+                         f"only the keys that window can see); pass window={cache.window}")
 
 
 def final_counts(counts: list[int], total: int) -> list[int]:
@@ -212,8 +255,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
     if k.shape[2:] != cache.k.shape[2:] or v.shape[2:] != cache.v.shape[2:] or k.shape[0] != cache.k.shape[0]:
         raise ValueError(f"the token's k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's "
                          f"k {tuple(cache.k.shape)} / v {tuple(cache.v.shape)} (batch, KV heads, head sizes)")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window={window!r} must be a positive int (keys a token sees, itself included) or None")
+    check_window(window, cache)
     # resolved on every rank, whether or not it sees a key: a bad backend raises everywhere, before any message
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], v.shape[-1])
     position = cache.append(k, v)

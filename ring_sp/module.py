@@ -86,14 +86,16 @@ class SequenceParallelAttention(nn.Module):
         rank's shard (q ``[b, n, h, d]``, k/v ``[b, n, h_kv, d]`` of a prompt of ``n * sp_size`` tokens
         in ``layout``; no documents), and a :class:`ring_sp.decode.ShardedKVCache` of the shard's keys
         and values at their global positions, over the SP group, with room for ``capacity`` tokens on
-        this rank (its share of the prompt plus of the tokens to generate). Collectives: the forward's,
-        then one all-gather of the shard sizes. Needs ``causal=True``."""
+        this rank (its share of the prompt plus of the tokens to generate). With a sliding window (this
+        call's, else the module's) the cache keeps only what the window can see (``ShardedKVCache.window``).
+        Collectives: the forward's, then one all-gather of the shard sizes. Needs ``causal=True``."""
         if not self.causal:
             raise ValueError("prefill needs causal=True (a prompt decoded token by token is causal)")
-        out = self.forward(q, k, v, sliding_window=sliding_window, sinks=sinks)
+        window = self.sliding_window if sliding_window is None else sliding_window
+        out = self.forward(q, k, v, sliding_window=window, sinks=sinks)
         t = self.topology
         positions = rank_positions(self.layout, t.sp_size, q.shape[1] * t.sp_size, t.sp_rank)
-        return out, ShardedKVCache.from_prefill(k, v, positions, capacity=capacity, group=t.sp_group)
+        return out, ShardedKVCache.from_prefill(k, v, positions, capacity=capacity, group=t.sp_group, window=window)
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCache, *,
                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -172,14 +172,14 @@ def module_case(window: int | None) -> dict:
     for t in range(PROMPT, PROMPT + NEW):
         step = attn.decode(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache, sinks=sinks)
         errors.append((step - want[:, t:t + 1]).abs().max().item())
-    return {"errors": errors, "counts": cache.counts}
+    return {"errors": errors, "counts": cache.counts, "window": cache.window}
 
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_module_prefill_and_decode_equal_the_oracle(pools, window) -> None:
     for result in pools.get(4).run(module_case, window):
         assert max(result["errors"]) <= OUT_TOL[torch.float64].atol, result["errors"]
-        assert sum(result["counts"]) == PROMPT + NEW
+        assert sum(result["counts"]) == PROMPT + NEW and result["window"] == window  # the module's window cache
 
 
 def test_a_growing_cache_moves_its_tokens_once_per_block() -> None:
@@ -194,6 +194,63 @@ def test_a_growing_cache_moves_its_tokens_once_per_block() -> None:
     assert cache.counts == [5, 5] and cache.capacities == [5, 5] and len(storages) == 1  # one growth of 3 slots
     assert torch.equal(cache.k[:, :2], k) and cache.positions.tolist() == [0, 3, 4, 6, 8]
     assert cache.k[0, 2:, 0, 0].tolist() == [100.0, 102.0, 104.0]
+
+
+LONG = 400  # a prompt much longer than the window
+
+
+def windowed_cache_case(layout: str, window: int) -> dict:
+    """A cache made for a sliding ``window`` (``from_prefill(window=)``): 24 decode steps, a chunk of 6, 24 more
+    steps, each against the float64 oracle of the window; the storage each rank keeps after each step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    total = LONG + 54
+    inputs = make_inputs(4, 1, total, 2, 1, 4, torch.float64)
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    prompt_k, prompt_v = (ring_sp.shard_sequence(x[:, :LONG], rank=rank, world_size=world, layout=layout) for x in (k, v))
+    cache = ShardedKVCache.from_prefill(prompt_k, prompt_v, rank_positions(layout, world, LONG, rank),
+                                        capacity=LONG // world + math.ceil((total - LONG) / world), window=window)
+    want, _ = oracle_attention(q, k, v, causal=True, mask=_window_mask(total, window))
+    errors, slots, at = [], [cache.capacity], LONG
+    for n in [1] * 24 + [6] + [1] * 24:
+        new = slice(at, at + n)
+        attend = decode_attention if n == 1 else ring_sp.chunk_attention
+        out = attend(q[:, new], k[:, new], v[:, new], cache, window=window)
+        errors.append((out.double() - want[:, new]).abs().max().item())
+        slots.append(cache.capacity)
+        at += n
+    held = cache.positions[: cache.length]
+    return {"errors": errors, "out": out, "counts": cache.counts, "slots": slots, "held": held.tolist(),
+            "k_ok": torch.equal(cache.k[:, : cache.length], k[:, held])}
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_a_windowed_cache_keeps_about_its_share_of_the_window(pools, layout: str) -> None:
+    """The keys no later token can see are dropped: every step still equals the oracle, every rank alike, the
+    bookkeeping (counts: the tokens each rank was given) as without a window, and each rank's storage stays
+    within twice the window plus the chunk, against the ~114 slots of its share of the sequence."""
+    window, world = 12, 4
+    results = pools.get(world).run(windowed_cache_case, layout, window)
+    total = LONG + 54
+    for result in results:
+        assert max(result["errors"]) <= OUT_TOL[torch.float64].atol, result["errors"]
+        assert torch.equal(result["out"], results[0]["out"]) and result["k_ok"]
+        assert max(result["slots"]) <= 2 * (window + 6) + 1, result["slots"]
+    counts = results[0]["counts"]
+    assert sum(counts) == total and max(counts) - min(counts) <= 1
+    held = sorted(p for r in results for p in r["held"])
+    assert len(held) == len(set(held)) and set(range(total - window + 1, total)) <= set(held)  # what the next sees
+
+
+def test_a_window_other_than_the_caches_is_refused_by_name() -> None:
+    k = torch.zeros(1, 4, 1, 2, dtype=torch.float64)
+    cache = ShardedKVCache.holding(k, k, torch.arange(4), rank=0, counts=[4], capacities=[6], window=3)
+    assert cache.length == 2 and cache.positions[:2].tolist() == [2, 3]  # what position 4 sees with window 3
+    new = torch.zeros(1, 1, 1, 2, dtype=torch.float64)
+    for window in (None, 4):
+        with pytest.raises(ValueError, match=f"window={window} on a cache made for window=3"):
+            decode_attention(new, new, new, cache, window=window)
+    with pytest.raises(ValueError, match="window=0 must be a positive int"):
+        ShardedKVCache.holding(k, k, torch.arange(4), rank=0, counts=[4], capacities=[6], window=0)
 
 
 def test_final_counts_follow_the_owner_rule() -> None:

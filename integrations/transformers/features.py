@@ -75,6 +75,18 @@ def check_model_config(config: Any) -> None:
         )
 
 
+def layer_windows(config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (None: full attention), read as transformers' own caches read it:
+    ``layer_types`` (``"sliding_attention"`` layers take ``sliding_window``), else ``sliding_window`` for
+    every layer. A :class:`~.kv_cache.RingSPCache` layer drops the keys its window has passed. Pure."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if window is not None else "full_attention"] * text.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
 def check_mask_call(config: Any, attention_mask: torch.Tensor | None, q_length: int, kv_length: int,
                     q_offset: Any) -> None:
     """The mask hook's checks: a padding mask or a KV cache holding earlier tokens. Local."""

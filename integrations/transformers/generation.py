@@ -49,7 +49,7 @@ from ring_sp.chunk_prefill import chunk_attention
 from ring_sp.decode import decode_attention, final_counts
 from ring_sp.layouts import padded_length
 
-from .features import UnsupportedFeatureError, model_name, ring_sp_call_options
+from .features import UnsupportedFeatureError, layer_windows, model_name, ring_sp_call_options
 from .kv_cache import PrefillShard, RingSPCache
 from .padded_prompts import generate_rows, left_pads, padding_error, prompt_mask
 
@@ -211,10 +211,12 @@ def _prefilling(cache: RingSPCache, prefill: PrefillShard) -> Iterator[None]:
         cache.prefill = None
 
 
-def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.Tensor) -> tuple[PrefillShard, int]:
+def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.Tensor,
+                   windows: list[int | None]) -> tuple[PrefillShard, int]:
     """What this rank keeps of a prompt of ``n`` tokens whose shard holds ``positions`` (global, host or
-    device; the padding's >= n), and the SP group rank holding the prompt's last token. One all-gather of
-    two numbers per rank (any layout, ``auto`` included, without recomputing the cut)."""
+    device; the padding's >= n), and the SP group rank holding the prompt's last token; ``windows``: each
+    layer's sliding window (its cache keeps what the window can see). One all-gather of two numbers per
+    rank (any layout, ``auto`` included, without recomputing the cut)."""
     group = topology.sp_group
     positions = positions.cpu()
     keep = (positions < n).nonzero().flatten()
@@ -226,7 +228,8 @@ def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.T
         capacities, grow_by = counts, cache.block
     else:
         capacities, grow_by = final_counts(counts, cache.limit), 0
-    return PrefillShard(keep, positions[keep], dist.get_rank(group), counts, capacities, grow_by), holds_last.index(1)
+    return (PrefillShard(keep, positions[keep], dist.get_rank(group), counts, capacities, grow_by, tuple(windows)),
+            holds_last.index(1))
 
 
 def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwargs: dict[str, Any]) -> Any:
@@ -254,7 +257,7 @@ def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwar
                         shift=False)
     shard.pop("labels")
     positions = shard["position_ids"][0]
-    prefill, owner = _prefill_shard(cache, topology, n, positions)
+    prefill, owner = _prefill_shard(cache, topology, n, positions, layer_windows(model.config))
     last = (positions == n - 1).nonzero().flatten()  # the prompt's last token, on the owner
     index = torch.tensor([int(last[0]) if last.numel() else 0], device=ids.device)
     rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids", "cache_position",

@@ -14,7 +14,10 @@ new keys and values before attending:
 Lengths are global: :meth:`get_seq_length` is the number of tokens cached over all ranks, the
 position of the next token, as transformers' ``generate()`` expects. Without ``max_cache_len``
 each rank's storage grows by ``block`` tokens when a token is assigned to it full (one copy per
-``block`` tokens it receives): a rank holds at most its share plus one block.
+``block`` tokens it receives): a rank holds at most its share plus one block. A sliding-window
+layer's entry keeps only the keys a later token can see (its share of the window, about; transformers'
+``DynamicCache`` keeps the window's last tokens alike), read from the config as transformers does
+(:func:`.features.layer_windows`); the attention's window must then be that one (else an error).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ from .features import UnsupportedFeatureError
 @dataclass(frozen=True)
 class PrefillShard:
     """What this rank holds of a prompt being prefilled: ``keep`` (indices into its shard of the tokens
-    that are the prompt's, not the cut's padding), their global ``positions`` (host), and every SP
-    group rank's cached ``counts`` and ``capacities`` afterwards (the same lists on every rank)."""
+    that are the prompt's, not the cut's padding), their global ``positions`` (host), every SP group
+    rank's cached ``counts`` and ``capacities`` afterwards (the same lists on every rank), and each
+    layer's sliding ``windows`` (None: full attention; a sliding layer keeps only what its window sees)."""
 
     keep: torch.Tensor
     positions: torch.Tensor
@@ -43,6 +47,10 @@ class PrefillShard:
     counts: list[int]
     capacities: list[int]
     grow_by: int
+    windows: tuple[int | None, ...] = ()
+
+    def window(self, layer_idx: int) -> int | None:
+        return self.windows[layer_idx] if layer_idx < len(self.windows) else None
 
 
 class ShardedLayer(CacheLayerMixin):
@@ -57,11 +65,13 @@ class ShardedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
 
-    def fill(self, key_states: torch.Tensor, value_states: torch.Tensor, prefill: PrefillShard) -> None:
-        """Keep the prompt's keys/values ``[b, h_kv, n_shard, d]`` (transformers' layout) of this rank's shard."""
+    def fill(self, key_states: torch.Tensor, value_states: torch.Tensor, prefill: PrefillShard,
+             window: int | None = None) -> None:
+        """Keep the prompt's keys/values ``[b, h_kv, n_shard, d]`` (transformers' layout) of this rank's shard
+        (with a sliding ``window``, those a later token can see)."""
         k, v = (t.transpose(1, 2)[:, prefill.keep] for t in (key_states, value_states))  # -> [b, kept, h_kv, d]
         self.shard = ShardedKVCache.holding(k, v, prefill.positions, rank=prefill.rank, counts=prefill.counts,
-                                            capacities=prefill.capacities, grow_by=prefill.grow_by)
+                                            capacities=prefill.capacities, grow_by=prefill.grow_by, window=window)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
@@ -115,7 +125,7 @@ class RingSPCache(Cache):
         while len(self.layers) <= layer_idx:
             self.layers.append(ShardedLayer())
         if self.prefill is not None:
-            self.layers[layer_idx].fill(key_states, value_states, self.prefill)
+            self.layers[layer_idx].fill(key_states, value_states, self.prefill, self.prefill.window(layer_idx))
         return key_states, value_states
 
     def shard(self, layer_idx: int) -> ShardedKVCache:

@@ -180,9 +180,10 @@ def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tup
     DP = 2 checks that the replicas split the samples and that the token count spans them;
     packed: DataCollatorWithFlattening rows (documents of unequal length, so the SP ranks
     hold unequal numbers of valid tokens) against sdpa's own packed-sequence masking.
-    Unpacked U2xR2 runs GenerationCallback too (both runs): the tokens it samples after steps 2
-    and 3 over the SP ranks equal the reference's, and it leaves the training's random state and
-    the model's mode as they were.
+    Unpacked runs (U2xR2 ZeRO-1; DP2 x R2 ZeRO-3, whose weights each forward gathers, under -m slow)
+    run GenerationCallback too (both runs): the tokens it samples after steps 2 and 3 over the SP
+    ranks equal the reference's, and it leaves the training's random state and the model's mode as
+    they were.
     """
     _example()  # the rank functions import it by module name
     # held-out windows hold equal numbers of tokens, so the plain Trainer's eval_loss (a mean of batch means) is the
@@ -190,7 +191,7 @@ def test_trainer_sp_equals_one_rank(pools, tmp_path: Path, stage: int, grid: tup
     evaluate = ["--eval-steps", "1", "--eval-samples", "8"]
     common = [*TINY, "--zero-stage", str(stage), *(["--pack-documents"] if pack else []), *evaluate]
     long_sequence = ["--tiled-mlp", "--tiled-loss", "--tile-tokens", "5"] if tiled else []
-    generate = stage == 1 and not pack
+    generate = not pack  # ZeRO-1 in the default suite, ZeRO-3 (generate()'s synced_gpus) under -m slow
     sp = pools.get(4, env=DS_ENV).run(
         train_case, [*common, *long_sequence, "--ulysses-size", grid[0], "--ring-size", grid[1], "--micro-batch",
                      str(micro)], str(tmp_path / "sp"), generate=generate, timeout=300)

@@ -4,7 +4,7 @@ Importing this package has no side effects: no process groups, no CUDA, no flash
 """
 
 from .attention import hybrid_attention, ring_attention, ulysses_attention
-from .chunk_prefill import chunk_attention
+from .chunk_prefill import chunk_attention, stored_attention
 from .comm import count_communication
 from .decode import ShardedKVCache, decode_attention
 from .data import IGNORE_INDEX, document_positions, pad_documents, shard_batch, shift_labels
@@ -40,6 +40,7 @@ __all__ = [
     "shard_batch",
     "shard_sequence",
     "shift_labels",
+    "stored_attention",
     "ulysses_attention",
     "unshard_sequence",
 ]

@@ -99,11 +99,55 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Sh
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if exchange == "pass_q":
         piece = (bounds[cache.rank], bounds[cache.rank + 1])
-        held = cache.held - (piece[1] - piece[0])  # slots before the piece (a window's cache may have dropped some)
-        keys = _Keys(cache.k, cache.v, held, piece, cache.positions[:held] - start)
-        out, lse = _attend(kernel, q, keys, (0, q.shape[1]), scale, acc, window)
-        return merge_over_ranks(out, lse, (cache.total, start), cache.rank, group=group, sinks=sinks).to(q.dtype)
+        return _pass_q(kernel, q, _stored_keys(cache.k, cache.v, cache, piece, start), cache, start, scale, acc,
+                       group, sinks, None, window)
     return _pass_kv(kernel, q, cache, old, bounds, scale, acc, group, sinks)
+
+
+def stored_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cache: ShardedKVCache,
+                     piece: tuple[int, int], *, group: dist.ProcessGroup | None = None, scale: float | None = None,
+                     sinks: torch.Tensor | None = None, backend: str = "auto",
+                     agree: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention of the ``c`` newest tokens, ALREADY stored in ``cache`` (:meth:`~ShardedKVCache.append`:
+    ``piece`` is ``(0, 1)`` on the rank it went to, else ``(0, 0)``; :meth:`~ShardedKVCache.append_chunk`:
+    ``(bounds[rank], bounds[rank + 1])``), by pass-Q, when the cache stores something the keys are computed
+    from: MLA caches its compressed latents, and the model expands this rank's whole shard into ``keys``
+    ``[b, held, h_kv, d]`` / ``values`` ``[b, held, h_kv, d_v]`` (slot for slot: ``cache.positions``).
+    q ``[b, c, h, d]`` (the same on every rank) -> ``[b, c, h, d_v]``, equal on every rank. Collectives: one
+    all-gather (``c = 1``, as :func:`~ring_sp.decode.decode_attention`), two for a chunk (the agreement
+    first, as :func:`chunk_attention`)."""
+    c = q.shape[1]
+    if q.dim() != 4 or keys.shape[:2] != (q.shape[0], cache.length) or values.shape[:3] != keys.shape[:3]:
+        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)} must be "
+                         f"q [b, c, h, d] and this rank's whole shard, [b, {cache.length}, h_kv, d] / [..., d_v]")
+    if not 0 <= piece[0] <= piece[1] <= c or piece[1] - piece[0] > cache.length:
+        raise ValueError(f"piece={piece} is not this rank's part of the {c} newest tokens")
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], values.shape[-1])
+    start, acc = cache.total - c, softmax_stat_dtype(q.dtype)
+    if c > 1:  # the agreement alone first, as chunk_attention's (the partials are sized by c)
+        gather_agreed(q.new_empty(0, dtype=acc), (cache.total, start), cache.rank, group=group, agree=agree,
+                      kind="chunk_agreement")
+        agree = None
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _pass_q(kernel, q, _stored_keys(keys, values, cache, piece, start), cache, start, scale, acc, group,
+                   sinks, agree)
+
+
+def _stored_keys(keys: torch.Tensor, values: torch.Tensor, cache: ShardedKVCache, piece: tuple[int, int],
+                 start: int) -> _Keys:
+    """This rank's shard (``keys`` / ``values`` slot for slot with the cache) as the chunk at ``start`` sees it:
+    the slots before ``piece`` (a window's cache may have dropped some), then the piece."""
+    held = cache.length - (piece[1] - piece[0])
+    return _Keys(keys, values, held, piece, cache.positions[:held] - start)
+
+
+def _pass_q(kernel: AttentionKernel, q: torch.Tensor, keys: _Keys, cache: ShardedKVCache, start: int, scale: float,
+            acc: torch.dtype, group: dist.ProcessGroup | None, sinks: torch.Tensor | None, agree: torch.Tensor | None,
+            window: int | None = None) -> torch.Tensor:
+    """All the chunk's queries against this rank's shard, the partials merged over the ranks (see the module)."""
+    out, lse = _attend(kernel, q, keys, (0, q.shape[1]), scale, acc, window)
+    return merge_over_ranks(out, lse, (cache.total, start), cache.rank, group=group, agree=agree,
+                            sinks=sinks).to(q.dtype)
 
 
 class _Keys(NamedTuple):
@@ -183,4 +227,4 @@ def _pass_kv(kernel: AttentionKernel, q: torch.Tensor, cache: ShardedKVCache, ol
     return every.view(world, b, per, h, d_v).transpose(0, 1).reshape(b, world * per, h, d_v)[:, :c].to(q.dtype)
 
 
-__all__ = ["EXCHANGES", "choose_exchange", "chunk_attention"]
+__all__ = ["EXCHANGES", "choose_exchange", "chunk_attention", "stored_attention"]

@@ -44,7 +44,10 @@ def chunk_case(layout: str, exchanges: tuple[str, str], sinks: bool, d_v: int | 
     errors, at, chunks = [], PROMPT, 0
     for kind, n in STEPS:
         new = slice(at, at + n)
-        if kind == "decode":
+        if "stored" in exchanges and (kind == "decode" or exchanges[chunks % 2] == "stored"):
+            out = _stored(q[:, new], k[:, new], v[:, new], cache, s, group)  # the MLA form: stored, then attended
+            chunks += kind == "chunk"
+        elif kind == "decode":
             out = decode_attention(q[:, new], k[:, new], v[:, new], cache, sinks=s, group=group, window=window,
                                    backend=backend)
         else:
@@ -59,10 +62,26 @@ def chunk_case(layout: str, exchanges: tuple[str, str], sinks: bool, d_v: int | 
             "k_ok": torch.equal(cache.k[:, : cache.length], k[:, filled])}
 
 
+def _stored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCache, sinks: torch.Tensor | None,
+            group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The new tokens stored first (append / append_chunk, as RingSPCache.update does for MLA's latents), then
+    attended by :func:`ring_sp.stored_attention` with the shard as the keys (here stored as they are)."""
+    if q.shape[1] == 1:
+        owner = cache.next_owner()
+        cache.append(k, v)
+        piece = (0, int(owner == cache.rank))
+    else:
+        bounds = cache.append_chunk(k, v)
+        piece = (bounds[cache.rank], bounds[cache.rank + 1])
+    held = cache.length
+    return ring_sp.stored_attention(q, cache.k[:, :held], cache.v[:, :held], cache, piece, sinks=sinks, group=group)
+
+
 @pytest.mark.parametrize("world,layout,exchanges,sinks,d_v", [
     (2, "zigzag", ("pass_q", "pass_kv"), False, None),
     (3, "contiguous", ("pass_kv", "pass_q"), True, None),
     (4, "zigzag", ("auto", "pass_kv"), False, 6),
+    (3, "zigzag", ("stored", "pass_q"), True, 6),  # stored_attention: decode steps and every other chunk
 ])
 def test_chunks_equal_the_oracle_on_every_rank(pools, world: int, layout: str, exchanges, sinks: bool, d_v) -> None:
     results = pools.get(world).run(chunk_case, layout, exchanges, sinks, d_v)

@@ -116,7 +116,8 @@ def test_greedy_generation_equals_one_rank(pools, u: int, r: int, layout: str) -
 @pytest.mark.parametrize("arch,u,r,layout,sample", [
     ("mistral", 1, 4, "zigzag", False),   # R4 with a sliding window across the shards
     ("gpt_oss", 2, 2, "zigzag", True),    # sinks, a sliding then a full layer; seeded sampling
-], ids=["mistral-window-U1xR4-greedy", "gpt_oss-sinks-window-U2xR2-sampled"])
+    ("deepseek_v3", 2, 2, "zigzag", False),  # MLA: the shards keep the compressed latents
+], ids=["mistral-window-U1xR4-greedy", "gpt_oss-sinks-window-U2xR2-sampled", "deepseek_v3-mla-U2xR2-greedy"])
 def test_windows_sinks_and_sampling_equal_one_rank(pools, arch: str, u: int, r: int, layout: str, sample: bool) -> None:
     overrides = {"sliding_window": 300} if arch == "mistral" else {}
     _check(pools.get(4).run(generate_case, arch, u, r, layout, 1000, 24, sample, 2, timeout=300, **overrides), 1000, 24)
@@ -182,7 +183,8 @@ def second_turn_case(exchange: str, arch: str = "llama", **overrides: Any) -> di
     ("pass_q", "llama", {}),
     ("pass_kv", "llama", {}),
     ("auto", "mistral", {"sliding_window": 100}),  # the window's edge inside the zigzag shards: pass-Q by bands
-], ids=["pass_q", "pass_kv", "mistral-window-auto"])
+    ("auto", "deepseek_v3", {}),  # MLA's latents: each rank expands its shard, stored_attention
+], ids=["pass_q", "pass_kv", "mistral-window-auto", "deepseek_v3-mla-auto"])
 def test_chunked_prefill_and_a_second_turn_equal_one_rank(pools, exchange: str, arch: str, overrides: dict) -> None:
     for rank, res in enumerate(pools.get(4).run(second_turn_case, exchange, arch, timeout=300, **overrides)):
         for turn in ("first", "second"):
@@ -214,6 +216,28 @@ def other_cache_case() -> str:
 def test_a_second_turn_with_another_cache_on_one_rank_is_one_error(pools) -> None:
     for rank, error in enumerate(pools.get(4).run(other_cache_case, timeout=120)):
         assert re.search(r"rank\(s\) \[3\].*cached tokens", error, re.S), f"rank {rank}: {error}"
+
+
+def mla_pass_kv_case() -> str:
+    """A chunk against an MLA model's cache with chunk_exchange="pass_kv": the error every rank raises."""
+    import dist_cases
+    import ring_sp.integrations.transformers as rsp_hf
+
+    rsp_hf.register(dist_cases.topology(2, 2))
+    _, model = _models("deepseek_v3")
+    prompt = torch.randint(1, 64, (1, 40), generator=torch.Generator().manual_seed(3))
+    try:
+        model.generate(prompt, max_new_tokens=2, pad_token_id=0, prefill_chunk_size=16,
+                       past_key_values=rsp_hf.RingSPCache(chunk_exchange="pass_kv"))
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_pass_kv_on_an_mla_cache_is_one_error(pools) -> None:
+    for rank, error in enumerate(pools.get(4).run(mla_pass_kv_case, timeout=120)):
+        assert "an MLA layer's cache (compressed latents) attends by pass-Q" in error \
+            and "chunk_exchange='pass_kv'" in error, f"rank {rank}: {error}"
 
 
 def test_malformed_padding_masks_and_callback_arguments_are_named() -> None:

@@ -42,7 +42,7 @@ WINDOW = 6  # a sliding window smaller than every sequence here, crossing the sh
 # ---------------------------------------------------------------- helpers run on the ranks
 
 def _config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any):
-    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen3Config
+    from transformers import DeepseekV3Config, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8, max_position_embeddings=256,
@@ -59,6 +59,13 @@ def _config(arch: str, *, heads: int = 4, kv_heads: int = 2, **overrides: Any):
     elif arch == "gemma3":  # its own scale (query_pre_attn_scalar), sliding and full layers with their own RoPE
         config = Gemma3TextConfig(**common, sliding_window=WINDOW, query_pre_attn_scalar=16,
                                   layer_types=["sliding_attention", "full_attention"])
+    elif arch == "deepseek_v3":  # MLA: keys of a no-RoPE and a RoPE part (8 + 4), values of their own size (6);
+        # every expert routed (top-2 of 2): a top-1 router's near-ties flip under the float differences of any
+        # sharding (measured: the gate's gradient 0.3-0.4 off, every other gradient exact), a discrete change
+        config = DeepseekV3Config(**{**common, "num_key_value_heads": heads, "head_dim": 4}, q_lora_rank=None, kv_lora_rank=16,
+                                  qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, moe_intermediate_size=16,
+                                  n_routed_experts=2, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                  first_k_dense_replace=1)
     else:
         raise ValueError(arch)
     for key, value in overrides.items():
@@ -352,6 +359,11 @@ def test_llama_gqa_all_gather_kv_fp32(pools) -> None:
 ])
 def test_qwen3_mistral_fp32(pools, arch: str, u: int, r: int, packed: bool, how: str) -> None:
     _check_fp32(pools.get(4).run(equivalence_case, arch, u, r, packed, "fp32", how, timeout=300))
+
+
+def test_deepseek_v3_mla_fp32(pools) -> None:
+    """MLA (keys of a no-RoPE and a RoPE part, values of their own head size) at U2xR2, packed documents."""
+    _check_fp32(pools.get(4).run(equivalence_case, "deepseek_v3", 2, 2, True, "fp32", "set", timeout=300))
 
 
 WINDOWED = {  # a window on every layer (Mistral), on some layers (Qwen3 layer_types, Gemma 3), sinks + alternating (gpt-oss)

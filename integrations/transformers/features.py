@@ -87,6 +87,13 @@ def layer_windows(config: Any) -> list[int | None]:
     return [window if kind == "sliding_attention" else None for kind in types]
 
 
+def latent_layers(model: torch.nn.Module) -> frozenset[int]:
+    """The layers whose attention caches MLA's compressed latents: transformers' MLA modules (DeepSeek-V2/V3 and
+    kin) pass ``past_key_values.update`` their latents and expand what it returns (``expand_kv``)."""
+    return frozenset(m.layer_idx for m in model.modules() if callable(getattr(m, "expand_kv", None))
+                     and isinstance(getattr(m, "layer_idx", None), int))
+
+
 def check_mask_call(config: Any, attention_mask: torch.Tensor | None, q_length: int, kv_length: int,
                     q_offset: Any) -> None:
     """The mask hook's checks: a padding mask or a KV cache holding earlier tokens. Local."""

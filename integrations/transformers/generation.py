@@ -45,11 +45,11 @@ import torch.distributed as dist
 
 from ring_sp.agreement import CallSignature, raise_together
 from ring_sp.data import shard_batch, token_checksum
-from ring_sp.chunk_prefill import chunk_attention
+from ring_sp.chunk_prefill import chunk_attention, stored_attention
 from ring_sp.decode import decode_attention, final_counts
 from ring_sp.layouts import padded_length
 
-from .features import UnsupportedFeatureError, layer_windows, model_name, ring_sp_call_options
+from .features import UnsupportedFeatureError, latent_layers, layer_windows, model_name, ring_sp_call_options
 from .kv_cache import PrefillShard, RingSPCache
 from .padded_prompts import generate_rows, left_pads, padding_error, prompt_mask
 
@@ -212,11 +212,11 @@ def _prefilling(cache: RingSPCache, prefill: PrefillShard) -> Iterator[None]:
 
 
 def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.Tensor,
-                   windows: list[int | None]) -> tuple[PrefillShard, int]:
+                   windows: list[int | None], latent: frozenset[int]) -> tuple[PrefillShard, int]:
     """What this rank keeps of a prompt of ``n`` tokens whose shard holds ``positions`` (global, host or
     device; the padding's >= n), and the SP group rank holding the prompt's last token; ``windows``: each
-    layer's sliding window (its cache keeps what the window can see). One all-gather of two numbers per
-    rank (any layout, ``auto`` included, without recomputing the cut)."""
+    layer's sliding window (its cache keeps what the window can see); ``latent``: the MLA layers. One
+    all-gather of two numbers per rank (any layout, ``auto`` included, without recomputing the cut)."""
     group = topology.sp_group
     positions = positions.cpu()
     keep = (positions < n).nonzero().flatten()
@@ -228,8 +228,8 @@ def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.T
         capacities, grow_by = counts, cache.block
     else:
         capacities, grow_by = final_counts(counts, cache.limit), 0
-    return (PrefillShard(keep, positions[keep], dist.get_rank(group), counts, capacities, grow_by, tuple(windows)),
-            holds_last.index(1))
+    return (PrefillShard(keep, positions[keep], dist.get_rank(group), counts, capacities, grow_by, tuple(windows),
+                         latent), holds_last.index(1))
 
 
 def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwargs: dict[str, Any]) -> Any:
@@ -257,7 +257,7 @@ def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwar
                         shift=False)
     shard.pop("labels")
     positions = shard["position_ids"][0]
-    prefill, owner = _prefill_shard(cache, topology, n, positions, layer_windows(model.config))
+    prefill, owner = _prefill_shard(cache, topology, n, positions, layer_windows(model.config), latent_layers(model))
     last = (positions == n - 1).nonzero().flatten()  # the prompt's last token, on the owner
     index = torch.tensor([int(last[0]) if last.numel() else 0], device=ids.device)
     rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids", "cache_position",
@@ -276,9 +276,21 @@ def decode_call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     """A decode step's attention layer: the new token (or a chunk's ``c``) against every rank's shard
     -> ``[b, c, h, d_v]`` (:func:`ring_sp.decode_attention`, :func:`ring_sp.chunk_attention`)."""
     state = _DECODING.get()
-    options = ring_sp_call_options(module, query, key, None, kwargs, layout=registration.layout,
+    # (keys passed as the queries: the options' length check is the training forward's; here an MLA layer's keys
+    # are this rank's whole shard, checked by stored_attention)
+    options = ring_sp_call_options(module, query, query, None, kwargs, layout=registration.layout,
                                    backend=registration.backend)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [b, h, c, d] -> ring_sp [b, c, h, d]
+    layer = state.cache.layers[module.layer_idx]
+    if layer.latent:  # MLA: k/v are this rank's whole shard, expanded from the latents update() stored
+        if options["sliding_window"] is not None or (q.shape[1] > 1 and state.cache.chunk_exchange == "pass_kv"):
+            raise UnsupportedFeatureError(
+                f"{model_name(module.config)}: an MLA layer's cache (compressed latents) attends by pass-Q without a "
+                f"window; got window={options['sliding_window']}, chunk_exchange={state.cache.chunk_exchange!r} "
+                f"(use RingSPCache(chunk_exchange='auto') or 'pass_q')")
+        return stored_attention(q, k, v, layer.shard, layer.piece, group=registration.topology.sp_group,
+                                scale=options["softmax_scale"], sinks=options["sinks"], backend=registration.backend,
+                                agree=state.tokens)
     attend = decode_attention if q.shape[1] == 1 else partial(chunk_attention, exchange=state.cache.chunk_exchange)
     return attend(q, k, v, state.cache.shard(module.layer_idx), group=registration.topology.sp_group,
                   scale=options["softmax_scale"], window=options["sliding_window"], sinks=options["sinks"],

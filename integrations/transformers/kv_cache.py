@@ -18,6 +18,13 @@ each rank's storage grows by ``block`` tokens when a token is assigned to it ful
 layer's entry keeps only the keys a later token can see (its share of the window, about; transformers'
 ``DynamicCache`` keeps the window's last tokens alike), read from the config as transformers does
 (:func:`.features.layer_windows`); the attention's window must then be that one (else an error).
+
+MLA layers (DeepSeek-V2/V3, Kimi, GLM-4-MoE-lite...) hand ``update`` their compressed latents
+(``kv_nope`` ``[b, 1, c, kv_lora_rank]``, ``k_rot`` ``[b, 1, c, rope]``) and expand whatever it returns
+into keys and values. The shards keep the latents (1/P of one rank's compressed cache); in a decode
+step or chunk ``update`` stores the new latents on their owners and returns this rank's whole shard,
+so each rank expands 1/P of the cache (transformers' ``DynamicCache`` expands all of it on one device)
+and :func:`ring_sp.stored_attention` merges the ranks' partials (pass-Q).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class PrefillShard:
     capacities: list[int]
     grow_by: int
     windows: tuple[int | None, ...] = ()
+    latent: frozenset[int] = frozenset()  # layers that cache MLA's compressed latents (see RingSPCache)
 
     def window(self, layer_idx: int) -> int | None:
         return self.windows[layer_idx] if layer_idx < len(self.windows) else None
@@ -61,18 +69,35 @@ class ShardedLayer(CacheLayerMixin):
     def __init__(self) -> None:
         super().__init__()
         self.shard: ShardedKVCache | None = None
+        self.latent = False  # MLA: the shard holds compressed latents, which the module expands (RingSPCache)
+        self.piece = (0, 0)  # a latent layer: this rank's part of the newest tokens, stored by update()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
 
     def fill(self, key_states: torch.Tensor, value_states: torch.Tensor, prefill: PrefillShard,
-             window: int | None = None) -> None:
+             window: int | None = None, latent: bool = False) -> None:
         """Keep the prompt's keys/values ``[b, h_kv, n_shard, d]`` (transformers' layout) of this rank's shard
-        (with a sliding ``window``, those a later token can see)."""
+        (with a sliding ``window``, those a later token can see; ``latent``: MLA's latents in their place)."""
         k, v = (t.transpose(1, 2)[:, prefill.keep] for t in (key_states, value_states))  # -> [b, kept, h_kv, d]
         self.shard = ShardedKVCache.holding(k, v, prefill.positions, rank=prefill.rank, counts=prefill.counts,
                                             capacities=prefill.capacities, grow_by=prefill.grow_by, window=window)
+        self.latent = latent
         self.is_initialized = True
+
+    def store(self, latent: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A latent layer's newest tokens (``[b, 1, c, r]`` each, transformers' layout) stored as the owner rule
+        places them; returns this rank's whole shard ``[b, 1, held, r]``, which the module expands into its
+        keys and values for the attention (:func:`ring_sp.stored_attention`)."""
+        shard, k, v = self.shard, latent.transpose(1, 2), rope.transpose(1, 2)
+        if k.shape[1] == 1:
+            owner = shard.next_owner()
+            shard.append(k, v)
+            self.piece = (0, int(owner == shard.rank))
+        else:
+            bounds = shard.append_chunk(k, v)
+            self.piece = (bounds[shard.rank], bounds[shard.rank + 1])
+        return shard.k[:, : shard.length].transpose(1, 2), shard.v[:, : shard.length].transpose(1, 2)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,8 +149,12 @@ class RingSPCache(Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self.layers) <= layer_idx:
             self.layers.append(ShardedLayer())
+        layer = self.layers[layer_idx]
         if self.prefill is not None:
-            self.layers[layer_idx].fill(key_states, value_states, self.prefill, self.prefill.window(layer_idx))
+            layer.fill(key_states, value_states, self.prefill, self.prefill.window(layer_idx),
+                       layer_idx in self.prefill.latent)
+        elif layer.latent:  # MLA: the latents stored here, the shard's returned for the module to expand
+            return layer.store(key_states, value_states)
         return key_states, value_states
 
     def shard(self, layer_idx: int) -> ShardedKVCache:

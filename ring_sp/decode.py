@@ -116,7 +116,7 @@ class ShardedKVCache:
         if window is not None:  # the next token (at sum(counts)) sees positions > sum(counts) - window: a suffix
             first = int(torch.searchsorted(positions, sum(counts) - window, right=True))
             k, v, positions = k[:, first:], v[:, first:], positions[first:]
-            size = min(size, 2 * k.shape[1] + 1)  # room to append before the first drop
+            size = min(size, _with_room(k.shape[1]))
         return ShardedKVCache(*_slots(k, v, positions, size), rank, list(counts), list(capacities), grow_by, window,
                               held=k.shape[1])
 
@@ -174,19 +174,25 @@ class ShardedKVCache:
     def _fit(self, n: int, position: int) -> None:
         """Storage for ``n`` more tokens on this rank, the first at ``position``. Without a window it was sized
         with the capacity (:meth:`_make_room`). With one, once full: the keys no token from ``position`` on can
-        see are dropped (``<= position - window``) and the rest moved into storage twice their size (within the
-        capacity): one copy per about as many tokens appended as the rank holds."""
+        see are dropped (``<= position - window``) and the rest moved (one copy) into storage with room for an
+        eighth more (:func:`_with_room`; within the capacity): a copy per ``live / 8`` tokens appended, at most."""
         if self.held + n <= self.capacity or self.window is None:
             return
         dead = int(torch.searchsorted(self.positions[: self.held], position - self.window, right=True))
         live = self.held - dead
-        self._move(dead, min(self.capacities[self.rank], max(self.capacity, 2 * (live + n))))
+        self._move(dead, min(self.capacities[self.rank], max(self.capacity, _with_room(live + n))))
 
     def _move(self, first: int, size: int) -> None:
         """Slots ``[first, held)`` moved into new storage of ``size`` slots (a copy)."""
         n = self.held
         self.k, self.v, self.positions = _slots(self.k[:, first:n], self.v[:, first:n], self.positions[first:n], size)
         self.held = n - first
+
+
+def _with_room(tokens: int) -> int:
+    """Slots for a window's cache holding ``tokens``: an eighth more (16 at least) to append into before it must
+    move them again (a window held whole on one rank, zigzag's tail, stays within 1/8 of the window's bytes)."""
+    return tokens + max(16, tokens // 8)
 
 
 def check_window(window: int | None, cache: ShardedKVCache | None = None) -> None:

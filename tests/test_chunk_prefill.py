@@ -95,9 +95,11 @@ def test_chunks_equal_the_oracle_on_every_rank(pools, world: int, layout: str, e
     assert sorted(p for r in results for p in r["positions"]) == list(range(total))  # the whole cache, once
 
 
-def test_chunks_over_a_grids_sp_group_in_bf16(pools) -> None:
-    """U2 x R2, bf16 (fp32 partials and merge): within bf16's tolerance of the oracle."""
-    results = pools.get(4).run(chunk_case, "zigzag", ("pass_q", "pass_kv"), True, None, "bfloat16", (2, 2))
+@pytest.mark.parametrize("window", [None, 7])
+def test_chunks_over_a_grids_sp_group_in_bf16(pools, window: int | None) -> None:
+    """U2 x R2, bf16 (fp32 partials and merge): within bf16's tolerance of the oracle; with a window by pass-Q."""
+    exchanges = ("pass_q", "pass_kv") if window is None else ("auto", "pass_q")
+    results = pools.get(4).run(chunk_case, "zigzag", exchanges, True, None, "bfloat16", (2, 2), window)
     assert all(max(r["errors"]) <= OUT_TOL[torch.bfloat16].atol and r["k_ok"] for r in results), \
         [r["errors"] for r in results]
 

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 _STARTUP_TIMEOUT_S = 120.0
@@ -245,8 +246,9 @@ class RankPool:
                 continue
             # also when the rank itself is gone: its children (a compiler, ...) keep its group. A
             # reaped rank's pid is not reused while that group has members, so a live /proc/<pid>
-            # then means the group is empty and the pid belongs to someone else: leave it alone.
-            if not proc.is_alive() and os.path.exists(f"/proc/{proc.pid}"):
+            # then means the group is empty and the pid belongs to someone else: leave it alone. A
+            # zombie there is the rank itself, not yet reaped by the forkserver: its group goes too.
+            if not proc.is_alive() and _running(proc.pid):
                 continue
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -278,6 +280,15 @@ class RankPool:
         for proc in self._procs:
             proc.join(timeout=10)
         self.kill()
+
+
+def _running(pid: int) -> bool:
+    """Whether a process that is not a zombie has ``pid`` (from /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
 class PoolManager:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingComm
-from .kernels import get_kernel, softmax_stat_dtype
+from .kernels import AttentionKernel, get_kernel, softmax_stat_dtype
 from .merge import fold_sinks, merge_partials
 
 
@@ -264,18 +264,47 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
     check_window(window, cache)
     # resolved on every rank, whether or not it sees a key: a bad backend raises everywhere, before any message
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], v.shape[-1])
-    position = cache.append(k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    acc = softmax_stat_dtype(q.dtype)
-    keys, values = _visible(cache, position, window)
-    b, _, h, _ = q.shape
-    d_v = v.shape[-1]
-    if keys.shape[1]:
-        out, lse = kernel.forward(q, keys, values, causal=False, scale=scale)
-    else:  # no visible key here: contributes nothing
-        out, lse = q.new_zeros(b, 1, h, d_v), torch.full((b, h, 1), float("-inf"), dtype=acc, device=q.device)
+    out, lse, position = _stored_partial(kernel, q, k, v, cache, window, scale)
     return merge_over_ranks(out, lse, (cache.total, position), cache.rank, group=group, agree=agree,
                             sinks=sinks).to(q.dtype)
+
+
+def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[ShardedKVCache], *,
+                group: dist.ProcessGroup | None = None, scale: float | None = None, window: int | None = None,
+                sinks: torch.Tensor | None = None, backend: str = "auto",
+                agree: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`decode_attention` for a batch whose rows have caches of their own (prompts of different lengths,
+    each prefilled alone): row ``i`` of q ``[B, 1, h, d]`` / k / v against ``caches[i]`` (batch 1 each). One
+    kernel call per row, ONE all-gather for the batch (every row's partials and cached total). -> ``[B, 1, h,
+    d_v]``, equal on every rank."""
+    if q.dim() != 4 or q.shape[1] != 1 or k.shape[:2] != q.shape[:2] or q.shape[0] != len(caches):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}: one token per row, one cache per row "
+                         f"({len(caches)} caches)")
+    for cache in caches:
+        check_window(window, cache)
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], v.shape[-1])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    parts = [_stored_partial(kernel, q[i:i + 1], k[i:i + 1], v[i:i + 1], cache, window, scale)
+             for i, cache in enumerate(caches)]
+    totals = torch.tensor([cache.total for cache in caches], device=q.device)
+    agree = totals if agree is None else torch.cat([agree.flatten().to(totals), totals])
+    out, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    stamp = (sum(cache.total for cache in caches), sum(p[2] for p in parts))
+    return merge_over_ranks(out, lse, stamp, caches[0].rank, group=group, agree=agree, sinks=sinks).to(q.dtype)
+
+
+def _stored_partial(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCache,
+                    window: int | None, scale: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One token stored (:meth:`ShardedKVCache.append`) and its query attended to this rank's shard:
+    ``(out [b, 1, h, d_v], lse [b, h, 1], position)``; no visible key here: 0 and -inf (contributes nothing)."""
+    position = cache.append(k, v)
+    keys, values = _visible(cache, position, window)
+    if keys.shape[1]:
+        return (*kernel.forward(q, keys, values, causal=False, scale=scale), position)
+    b, _, h, _ = q.shape
+    lse = torch.full((b, h, 1), float("-inf"), dtype=softmax_stat_dtype(q.dtype), device=q.device)
+    return q.new_zeros(b, 1, h, v.shape[-1]), lse, position
 
 
 def merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, stamp: tuple[int, int], rank: int, *,
@@ -330,4 +359,4 @@ def _check_agreement(stamps: torch.Tensor, rank: int, extra: int) -> None:
                            f"same tokens")
 
 
-__all__ = ["ShardedKVCache", "decode_attention", "final_counts", "gather_agreed", "merge_over_ranks"]
+__all__ = ["ShardedKVCache", "decode_attention", "decode_rows", "final_counts", "gather_agreed", "merge_over_ranks"]

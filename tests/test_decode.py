@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import ring_sp
 from oracle import OUT_TOL, make_inputs, oracle_attention
-from ring_sp.decode import ShardedKVCache, decode_attention, final_counts
+from ring_sp.decode import ShardedKVCache, decode_attention, decode_rows, final_counts
 from ring_sp.layouts import rank_positions
 
 PROMPT, NEW = 24, 7
@@ -194,6 +194,36 @@ def test_a_growing_cache_moves_its_tokens_once_per_block() -> None:
     assert cache.counts == [5, 5] and cache.capacities == [5, 5] and len(storages) == 1  # one growth of 3 slots
     assert torch.equal(cache.k[:, :2], k) and cache.positions.tolist() == [0, 3, 4, 6, 8]
     assert cache.k[0, 2:, 0, 0].tolist() == [100.0, 102.0, 104.0]
+
+
+def rows_case(layout: str) -> dict:
+    """Two rows with prompts of 24 and 12 tokens, each prefilled into a cache of its own, then 5 steps decoded as
+    one batch (:func:`ring_sp.decode.decode_rows`): each row against the float64 oracle of its own tokens."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lengths, steps = (24, 12), 5
+    rows = [make_inputs(9 + i, 1, n + steps, 4, 2, 8, torch.float64, sinks=True) for i, n in enumerate(lengths)]
+    sinks = rows[0]["sinks"]
+    caches = []
+    for inputs, n in zip(rows, lengths):
+        k, v = (ring_sp.shard_sequence(inputs[x][:, :n], rank=rank, world_size=world, layout=layout) for x in "kv")
+        caches.append(ShardedKVCache.from_prefill(k, v, rank_positions(layout, world, n, rank), capacity=n + steps))
+    errors = []
+    for t in range(steps):
+        q, k, v = (torch.cat([r[x][:, n + t: n + t + 1] for r, n in zip(rows, lengths)]) for x in "qkv")
+        out = decode_rows(q, k, v, caches, sinks=sinks, window=None)
+        for i, (inputs, n) in enumerate(zip(rows, lengths)):
+            want, _ = oracle_attention(inputs["q"][:, : n + t + 1], inputs["k"][:, : n + t + 1], inputs["v"][:, : n + t + 1],
+                                       causal=True, sinks=sinks)
+            errors.append((out[i:i + 1] - want[:, -1:]).abs().max().item())
+    return {"errors": errors, "out": out, "totals": [c.total for c in caches]}
+
+
+@pytest.mark.parametrize("world,layout", [(2, "zigzag"), (3, "contiguous")])
+def test_rows_with_caches_of_their_own_decode_as_one_batch(pools, world: int, layout: str) -> None:
+    results = pools.get(world).run(rows_case, layout)
+    for result in results:
+        assert max(result["errors"]) <= OUT_TOL[torch.float64].atol, result["errors"]
+        assert torch.equal(result["out"], results[0]["out"]) and result["totals"] == [29, 17]
 
 
 LONG = 400  # a prompt much longer than the window

@@ -127,14 +127,16 @@ def test_windows_sinks_and_sampling_equal_one_rank(pools, arch: str, u: int, r: 
            prompt, new)
 
 
-def padded_case(u: int, r: int) -> dict[str, Any]:
+def padded_case(u: int, r: int, arch: str = "llama", **overrides: Any) -> dict[str, Any]:
     """Three prompts of 64, 37 and 20 tokens, left-padded into one batch: generate() over the grid equals one
-    rank's batched generate() (with the mask given, and inferred from pad_token_id), eos stopping one row."""
+    rank's batched generate(): greedy (the mask given, and inferred from pad_token_id), eos stopping one row,
+    and seeded sampling with every step's logits."""
     import dist_cases
     import ring_sp.integrations.transformers as rsp_hf
+    from transformers import set_seed
 
     rsp_hf.register(dist_cases.topology(u, r))
-    reference, model = _models("llama")
+    reference, model = _models(arch, **overrides)
     prompt = torch.randint(1, model.config.vocab_size, (3, 64), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(prompt)
     for row, length in ((1, 37), (2, 20)):
@@ -145,16 +147,26 @@ def padded_case(u: int, r: int) -> dict[str, Any]:
     expected = reference.generate(prompt, attention_mask=mask, **options)
     eos = int(expected[1, 64 + 2])  # row 1's third token: that row stops there, the others go on (unless they emit it)
     stopped = reference.generate(prompt, attention_mask=mask, eos_token_id=eos, **options)
+    sampled = dict(max_new_tokens=8, do_sample=True, top_k=None, top_p=None, output_logits=True,
+                   return_dict_in_generate=True, pad_token_id=0)
+    set_seed(3)
+    want = reference.generate(prompt, attention_mask=mask, **sampled)
+    set_seed(3)
+    got = model.generate(prompt, attention_mask=mask, **sampled)
     return {"equal": torch.equal(model.generate(prompt, attention_mask=mask, **options), expected),
             "inferred_equal": torch.equal(model.generate(prompt, **options), expected),
             "eos_equal": torch.equal(model.generate(prompt, attention_mask=mask, eos_token_id=eos, **options), stopped),
-            "eos_padded": bool((stopped[1, 64 + 3:] == 0).all()) and stopped.shape[1] > 64 + 3}
+            "eos_padded": bool((stopped[1, 64 + 3:] == 0).all()) and stopped.shape[1] > 64 + 3,
+            "sampled": _compare(want, got)}
 
 
-@pytest.mark.parametrize("u,r", [(2, 2)], ids=["U2xR2"])
-def test_prompts_of_different_lengths_equal_one_rank(pools, u: int, r: int) -> None:
-    for rank, res in enumerate(pools.get(4).run(padded_case, u, r, timeout=300)):
+@pytest.mark.parametrize("u,r,arch", [(2, 2, "llama"), (1, 4, "gpt_oss")], ids=["U2xR2", "gpt_oss-sinks-window-U1xR4"])
+def test_prompts_of_different_lengths_equal_one_rank(pools, u: int, r: int, arch: str) -> None:
+    """Each row prefilled alone, the batch decoded as one (one all-gather per layer for every row)."""
+    for rank, res in enumerate(pools.get(4).run(padded_case, u, r, arch, timeout=300)):
+        sampled = res.pop("sampled")
         assert res == {"equal": True, "inferred_equal": True, "eos_equal": True, "eos_padded": True}, (rank, res)
+        assert sampled["tokens_equal"] and sampled["logits_rel"] < LOGITS_RTOL, (rank, sampled)
 
 
 def second_turn_case(exchange: str, arch: str = "llama", **overrides: Any) -> dict[str, Any]:
@@ -289,9 +301,12 @@ def bad_generation_case(what: str) -> str:
         prompt[0, 7] = 0
     if what == "mask_one_rank" and rank == 3:  # a padding mask given on one rank only
         options["attention_mask"] = torch.ones_like(prompt).index_fill_(1, torch.tensor([0]), 0)
-    if what in ("right_padding", "sampled_padding"):
+    if what in ("right_padding", "chunked_padding"):
         options["attention_mask"] = torch.ones_like(prompt).index_fill_(1, torch.tensor([39 if what == "right_padding" else 0]), 0)
-        options["do_sample"] = what == "sampled_padding"
+    if what == "chunked_padding":
+        options["prefill_chunk_size"] = 16
+    if what == "hidden_states":
+        options.update(output_hidden_states=True, return_dict_in_generate=True)
     try:
         model.generate(prompt, **options)
     except (ValueError, RuntimeError, TypeError) as exc:
@@ -309,7 +324,8 @@ def bad_generation_case(what: str) -> str:
     ("mask_one_rank", r"rank\(s\) \[3\].*padding mask checksum"),
     ("pad_in_prompt", r"attention_mask \(1, 40\) is not left padding .*pad_token_id inside the prompt"),
     ("right_padding", r"attention_mask \(1, 40\) is not left padding"),
-    ("sampled_padding", r"run row by row on SP ranks, which cannot reproduce do_sample=True"),
+    ("chunked_padding", r"left padding\) on SP ranks cannot run prefill_chunk_size"),
+    ("hidden_states", r"output_hidden_states \(the prefill's hidden states are sharded"),
 ])
 def test_bad_generation_input_is_one_error_on_every_rank(pools, what: str, pattern: str) -> None:
     for rank, error in enumerate(pools.get(4).run(bad_generation_case, what, timeout=120)):

@@ -8,8 +8,8 @@ Every rank of the SP group calls ``generate`` with the same prompt ``[b, n]`` an
    search, DoLa, a mask that is not left padding, a cache that is not a
    :class:`.kv_cache.RingSPCache`); the prompt, the generation arguments, the cache's size and
    cached length, the padding mask and, when sampling, the random state are compared across
-   ranks in one small all-gather. Prompts of different lengths (left padding) then run row by row
-   (:mod:`.padded_prompts`).
+   ranks in one small all-gather. Prompts of different lengths (left padding) are prefilled row by
+   row, each into a cache of its own, and decoded as one batch (:mod:`.padded_prompts`).
 2. **Prefill** (:func:`cached_forward`, the first forward, cache empty): the prompt, right-padded
    to the layout's unit (causal attention never lets a prompt token see the padding), is cut
    into this rank's shard (:func:`ring_sp.shard_batch`, positions the attention checks) and runs through the model as in training:
@@ -46,12 +46,12 @@ import torch.distributed as dist
 from ring_sp.agreement import CallSignature, raise_together
 from ring_sp.data import shard_batch, token_checksum
 from ring_sp.chunk_prefill import chunk_attention, stored_attention
-from ring_sp.decode import decode_attention, final_counts
+from ring_sp.decode import decode_attention, decode_rows, final_counts
 from ring_sp.layouts import padded_length
 
 from .features import UnsupportedFeatureError, latent_layers, layer_windows, model_name, ring_sp_call_options
 from .kv_cache import PrefillShard, RingSPCache
-from .padded_prompts import generate_rows, left_pads, padding_error, prompt_mask
+from .padded_prompts import left_pads, padding_error, prompt_mask
 
 # generate()'s arguments that would need other than one token per step on every rank alike: (test, what, fix)
 _REFUSED: tuple[tuple[Callable[[Any], bool], str, str], ...] = (
@@ -62,6 +62,8 @@ _REFUSED: tuple[tuple[Callable[[Any], bool], str, str], ...] = (
     (lambda c: getattr(c, "dola_layers", None) is not None, "DoLa decoding (dola_layers)", "drop dola_layers"),
     (lambda c: bool(getattr(c, "output_attentions", False)), "output_attentions (ring attention keeps no weights)",
      "drop output_attentions"),
+    (lambda c: bool(getattr(c, "output_hidden_states", False)),
+     "output_hidden_states (the prefill's hidden states are sharded over the ranks)", "drop output_hidden_states"),
 )
 _SPECULATIVE = ("assistant_model", "assistant_tokenizer", "custom_generate", "inputs_embeds")
 
@@ -101,7 +103,8 @@ def _local_error(model: Any, prompt: Any, config: Any, kwargs: dict[str, Any]) -
         if refused(config):
             return UnsupportedFeatureError(f"{where}: {what.format(config)} cannot run exactly over a sharded KV cache "
                                            f"in ring_sp; {fix}")
-    padding = padding_error(where, prompt_mask(prompt, kwargs.get("attention_mask"), config), config, kwargs)
+    padding = padding_error(where, prompt_mask(prompt, kwargs.get("attention_mask"), config), config, kwargs,
+                            bool(latent_layers(model)))
     if padding is not None:  # a mask given is each rank's own: agreed below when it is valid
         return padding
     cache = kwargs.get("past_key_values")
@@ -178,10 +181,10 @@ def agree_to_generate(model: Any, topology: Any, args: tuple,
 def generate_together(generate: Callable[..., Any], model: Any, topology: Any, args: tuple,
                       kwargs: dict[str, Any]) -> Any:
     """``generate(model, *args, **kwargs)`` on every rank of ``topology``'s SP group (see the module)."""
-    kwargs, config, mask = agree_to_generate(model, topology, args, kwargs)
-    if mask is not None:  # prompts of different lengths: each row alone (.padded_prompts)
-        return generate_rows(lambda row: _generate_on_sp_ranks(generate, model, topology, row),
-                             kwargs.get("input_ids", kwargs.get("inputs")), left_pads(mask), config, kwargs)
+    kwargs, _, mask = agree_to_generate(model, topology, args, kwargs)
+    if mask is not None:  # prompts of different lengths: each row prefilled alone, decoded as a batch (.padded_prompts)
+        kwargs["past_key_values"] = kwargs.get("past_key_values") or RingSPCache()
+        kwargs["past_key_values"].pads = left_pads(mask)
     return _generate_on_sp_ranks(generate, model, topology, kwargs)
 
 
@@ -211,8 +214,8 @@ def _prefilling(cache: RingSPCache, prefill: PrefillShard) -> Iterator[None]:
         cache.prefill = None
 
 
-def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.Tensor,
-                   windows: list[int | None], latent: frozenset[int]) -> tuple[PrefillShard, int]:
+def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.Tensor, windows: list[int | None],
+                   latent: frozenset[int], row: int | None) -> tuple[PrefillShard, int]:
     """What this rank keeps of a prompt of ``n`` tokens whose shard holds ``positions`` (global, host or
     device; the padding's >= n), and the SP group rank holding the prompt's last token; ``windows``: each
     layer's sliding window (its cache keeps what the window can see); ``latent``: the MLA layers. One
@@ -229,7 +232,7 @@ def _prefill_shard(cache: RingSPCache, topology: Any, n: int, positions: torch.T
     else:
         capacities, grow_by = final_counts(counts, cache.limit), 0
     return (PrefillShard(keep, positions[keep], dist.get_rank(group), counts, capacities, grow_by, tuple(windows),
-                         latent), holds_last.index(1))
+                         latent, row), holds_last.index(1))
 
 
 def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwargs: dict[str, Any]) -> Any:
@@ -245,9 +248,25 @@ def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwar
             return call(**kwargs)
         finally:
             _DECODING.reset(token)
-    padding = _padding_error(where, kwargs.get("attention_mask"))  # generate()'s mask: from the agreed prompt
+    mask = kwargs.get("attention_mask")
+    if cache.pads is not None:  # a padded batch (agreed: left padding): each row prefilled alone, its own cache
+        if mask is None or left_pads(torch.as_tensor(mask)) != cache.pads:
+            raise UnsupportedFeatureError(f"{where}: the prefill's attention_mask is not the padding generate() agreed "
+                                          f"on ({cache.pads} per row)")
+        outs = [_prefill(call, model, registration, kwargs, ids[row:row + 1, pad:], cache, row)
+                for row, pad in enumerate(cache.pads)]
+        outs[-1].logits = torch.cat([out.logits for out in outs])
+        return outs[-1]
+    padding = _padding_error(where, mask)  # generate()'s mask: from the agreed prompt
     if padding is not None:
         raise padding
+    return _prefill(call, model, registration, kwargs, ids, cache)
+
+
+def _prefill(call: Callable[..., Any], model: Any, registration: Any, kwargs: dict[str, Any], ids: torch.Tensor,
+             cache: RingSPCache, row: int | None = None) -> Any:
+    """The prompt ``ids`` ``[b, n]`` (no padding) through the grid into ``cache`` (``row``: of a padded batch);
+    the output with the last token's logits ``[b, 1, vocab]`` on every rank."""
     topology, layout = registration.topology, registration.layout
     b, n = ids.shape
     padded = padded_length(n, "zigzag" if layout in ("auto", "document_zigzag") else layout, topology.sp_size)
@@ -257,7 +276,8 @@ def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwar
                         shift=False)
     shard.pop("labels")
     positions = shard["position_ids"][0]
-    prefill, owner = _prefill_shard(cache, topology, n, positions, layer_windows(model.config), latent_layers(model))
+    prefill, owner = _prefill_shard(cache, topology, n, positions, layer_windows(model.config), latent_layers(model),
+                                    row)
     last = (positions == n - 1).nonzero().flatten()  # the prompt's last token, on the owner
     index = torch.tensor([int(last[0]) if last.numel() else 0], device=ids.device)
     rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids", "cache_position",
@@ -282,6 +302,13 @@ def decode_call(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                    backend=registration.backend)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # HF [b, h, c, d] -> ring_sp [b, c, h, d]
     layer = state.cache.layers[module.layer_idx]
+    if layer.rows:  # a padded batch: each row against its own cache, one all-gather for the batch
+        if q.shape[1] != 1:
+            raise UnsupportedFeatureError(f"{model_name(module.config)}: {q.shape[1]} new tokens per row against a "
+                                          f"padded batch's cache (a second turn, prefill_chunk_size); one per step")
+        return decode_rows(q, k, v, layer.rows, group=registration.topology.sp_group, scale=options["softmax_scale"],
+                           window=options["sliding_window"], sinks=options["sinks"], backend=registration.backend,
+                           agree=state.tokens)
     if layer.latent:  # MLA: k/v are this rank's whole shard, expanded from the latents update() stored
         if options["sliding_window"] is not None or (q.shape[1] > 1 and state.cache.chunk_exchange == "pass_kv"):
             raise UnsupportedFeatureError(

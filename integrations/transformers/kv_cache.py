@@ -56,6 +56,7 @@ class PrefillShard:
     grow_by: int
     windows: tuple[int | None, ...] = ()
     latent: frozenset[int] = frozenset()  # layers that cache MLA's compressed latents (see RingSPCache)
+    row: int | None = None  # a padded batch: the row prefilled (each alone, into a cache of its own)
 
     def window(self, layer_idx: int) -> int | None:
         return self.windows[layer_idx] if layer_idx < len(self.windows) else None
@@ -71,6 +72,8 @@ class ShardedLayer(CacheLayerMixin):
         self.shard: ShardedKVCache | None = None
         self.latent = False  # MLA: the shard holds compressed latents, which the module expands (RingSPCache)
         self.piece = (0, 0)  # a latent layer: this rank's part of the newest tokens, stored by update()
+        self.rows: list[ShardedKVCache] = []  # a padded batch: a cache per row, each prefilled alone
+        self.offset = 0  # a padded batch: the first row's left padding (generate() counts it as cached)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -80,8 +83,14 @@ class ShardedLayer(CacheLayerMixin):
         """Keep the prompt's keys/values ``[b, h_kv, n_shard, d]`` (transformers' layout) of this rank's shard
         (with a sliding ``window``, those a later token can see; ``latent``: MLA's latents in their place)."""
         k, v = (t.transpose(1, 2)[:, prefill.keep] for t in (key_states, value_states))  # -> [b, kept, h_kv, d]
-        self.shard = ShardedKVCache.holding(k, v, prefill.positions, rank=prefill.rank, counts=prefill.counts,
-                                            capacities=prefill.capacities, grow_by=prefill.grow_by, window=window)
+        shard = ShardedKVCache.holding(k, v, prefill.positions, rank=prefill.rank, counts=prefill.counts,
+                                       capacities=prefill.capacities, grow_by=prefill.grow_by, window=window)
+        if prefill.row is None:
+            self.shard = shard
+        elif prefill.row == len(self.rows):
+            self.rows.append(shard)
+        else:
+            raise RuntimeError(f"row {prefill.row} of a padded batch prefilled after {len(self.rows)} rows")
         self.latent = latent
         self.is_initialized = True
 
@@ -89,6 +98,8 @@ class ShardedLayer(CacheLayerMixin):
         """A latent layer's newest tokens (``[b, 1, c, r]`` each, transformers' layout) stored as the owner rule
         places them; returns this rank's whole shard ``[b, 1, held, r]``, which the module expands into its
         keys and values for the attention (:func:`ring_sp.stored_attention`)."""
+        if self.shard is None:  # (the agreement refuses MLA with a padded batch: rows are not returned whole)
+            raise UnsupportedFeatureError("an MLA layer's cache holds no single shard (a padded batch's rows)")
         shard, k, v = self.shard, latent.transpose(1, 2), rope.transpose(1, 2)
         if k.shape[1] == 1:
             owner = shard.next_owner()
@@ -104,17 +115,21 @@ class ShardedLayer(CacheLayerMixin):
         return key_states, value_states
 
     def get_seq_length(self) -> int:
+        """Tokens cached, as generate() counts them (a padded batch: the first row's, its padding included)."""
+        if self.rows:
+            return self.rows[0].total + self.offset
         return 0 if self.shard is None else self.shard.total
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
-        return -1 if self.shard is None or self.shard.grow_by else sum(self.shard.capacities)
+        first = self.rows[0] if self.rows else self.shard
+        return -1 if first is None or first.grow_by else sum(first.capacities) + self.offset
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.shard is None else self.shard.nbytes
+        return sum(shard.nbytes for shard in ([self.shard] if self.shard is not None else []) + self.rows)
 
 
 class RingSPCache(Cache):
@@ -144,6 +159,7 @@ class RingSPCache(Cache):
         self.block = block
         self.chunk_exchange = chunk_exchange  # many new tokens against the cache: ring_sp.chunk_attention's exchange
         self.prefill: PrefillShard | None = None  # set by .generation around the prefill's forward
+        self.pads: list[int] | None = None  # a padded batch's left padding per row (set by .generation)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,9 +169,17 @@ class RingSPCache(Cache):
         if self.prefill is not None:
             layer.fill(key_states, value_states, self.prefill, self.prefill.window(layer_idx),
                        layer_idx in self.prefill.latent)
+            layer.offset = self.pads[0] if self.pads else 0
         elif layer.latent:  # MLA: the latents stored here, the shard's returned for the module to expand
             return layer.store(key_states, value_states)
         return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        # a prefill (a padded batch's second row, ...) sees no earlier token: its rows are cached apart
+        return 0 if self.prefill is not None else super().get_seq_length(layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return (query_length, 0) if self.prefill is not None else super().get_mask_sizes(query_length, layer_idx)
 
     def shard(self, layer_idx: int) -> ShardedKVCache:
         """Layer ``layer_idx``'s :class:`ring_sp.decode.ShardedKVCache` (after the prefill)."""
@@ -167,7 +191,9 @@ class RingSPCache(Cache):
     @property
     def batch_size(self) -> int:
         """Rows the cache holds (0 before the prefill)."""
-        return 0 if not self.layers or self.layers[0].shard is None else self.layers[0].shard.k.shape[0]
+        if not self.layers or self.layers[0].rows:
+            return len(self.layers[0].rows) if self.layers else 0
+        return 0 if self.layers[0].shard is None else self.layers[0].shard.k.shape[0]
 
     @property
     def nbytes(self) -> int:

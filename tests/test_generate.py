@@ -153,7 +153,9 @@ def padded_case(u: int, r: int, arch: str = "llama", **overrides: Any) -> dict[s
     want = reference.generate(prompt, attention_mask=mask, **sampled)
     set_seed(3)
     got = model.generate(prompt, attention_mask=mask, **sampled)
-    return {"equal": torch.equal(model.generate(prompt, attention_mask=mask, **options), expected),
+    cache = rsp_hf.RingSPCache()  # given: the rows go into it (3 caches of their own per layer)
+    equal = torch.equal(model.generate(prompt, attention_mask=mask, past_key_values=cache, **options), expected)
+    return {"equal": equal and cache.batch_size == 3 and cache.nbytes > 0,
             "inferred_equal": torch.equal(model.generate(prompt, **options), expected),
             "eos_equal": torch.equal(model.generate(prompt, attention_mask=mask, eos_token_id=eos, **options), stopped),
             "eos_padded": bool((stopped[1, 64 + 3:] == 0).all()) and stopped.shape[1] > 64 + 3,

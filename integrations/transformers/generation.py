@@ -183,7 +183,8 @@ def generate_together(generate: Callable[..., Any], model: Any, topology: Any, a
     """``generate(model, *args, **kwargs)`` on every rank of ``topology``'s SP group (see the module)."""
     kwargs, _, mask = agree_to_generate(model, topology, args, kwargs)
     if mask is not None:  # prompts of different lengths: each row prefilled alone, decoded as a batch (.padded_prompts)
-        kwargs["past_key_values"] = kwargs.get("past_key_values") or RingSPCache()
+        if kwargs.get("past_key_values") is None:  # (not `or`: an empty Cache has len() 0)
+            kwargs["past_key_values"] = RingSPCache()
         kwargs["past_key_values"].pads = left_pads(mask)
     return _generate_on_sp_ranks(generate, model, topology, kwargs)
 

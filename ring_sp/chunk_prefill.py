@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingComm
-from .decode import ShardedKVCache, check_window, gather_agreed, merge_over_ranks
+from .decode import ShardedKVCache, check_fits_cache, check_window, gather_agreed, merge_over_ranks
 from .kernels import AttentionKernel, get_kernel, softmax_stat_dtype
 from .merge import fold_sinks, merge_block_
 from .schedule import BlockTask, band_blocks, interval_blocks
@@ -75,9 +75,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Sh
     if q.dim() != 4 or k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be q [b, c, h, d], "
                          f"k [b, c, h_kv, d], v [b, c, h_kv, d_v] (the same c new tokens)")
-    if k.shape[2:] != cache.k.shape[2:] or v.shape[2:] != cache.v.shape[2:] or k.shape[0] != cache.k.shape[0]:
-        raise ValueError(f"the chunk's k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's "
-                         f"k {tuple(cache.k.shape)} / v {tuple(cache.v.shape)} (batch, KV heads, head sizes)")
+    check_fits_cache(k, v, cache, "chunk")
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r} must be one of {EXCHANGES}")
     check_window(window, cache)
@@ -88,10 +86,7 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Sh
     start, old = cache.total, list(cache.counts)
     bounds = cache.append_chunk(k, v)
     acc = softmax_stat_dtype(q.dtype)
-    # the agreement alone first (an empty payload, a fixed size): nothing below is sized from counts or a chunk
-    # length ranks disagree on (pass-Q's partials are [b, c, h, d_v]: a rank with another c would mismatch them)
-    gather_agreed(q.new_empty(0, dtype=acc), (cache.total, start), cache.rank, group=group, agree=agree,
-                  kind="chunk_agreement")
+    _agree_first(cache, start, acc, group, agree)
     if exchange == "auto" and window is not None:
         exchange = "pass_q"
     elif exchange == "auto":
@@ -125,12 +120,20 @@ def stored_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], values.shape[-1])
     start, acc = cache.total - c, softmax_stat_dtype(q.dtype)
     if c > 1:  # the agreement alone first, as chunk_attention's (the partials are sized by c)
-        gather_agreed(q.new_empty(0, dtype=acc), (cache.total, start), cache.rank, group=group, agree=agree,
-                      kind="chunk_agreement")
+        _agree_first(cache, start, acc, group, agree)
         agree = None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _pass_q(kernel, q, _stored_keys(keys, values, cache, piece, start), cache, start, scale, acc, group,
                    sinks, agree)
+
+
+def _agree_first(cache: ShardedKVCache, start: int, acc: torch.dtype, group: dist.ProcessGroup | None,
+                 agree: torch.Tensor | None) -> None:
+    """The agreement alone (an empty payload, a fixed size) before a chunk's exchange: nothing after it is sized
+    from counts or a chunk length ranks disagree on (pass-Q's partials are [b, c, h, d_v]: a rank with another
+    c would mismatch them)."""
+    gather_agreed(cache.k.new_empty(0, dtype=acc), (cache.total, start), cache.rank, group=group, agree=agree,
+                  kind="chunk_agreement")
 
 
 def _stored_keys(keys: torch.Tensor, values: torch.Tensor, cache: ShardedKVCache, piece: tuple[int, int],
@@ -138,7 +141,7 @@ def _stored_keys(keys: torch.Tensor, values: torch.Tensor, cache: ShardedKVCache
     """This rank's shard (``keys`` / ``values`` slot for slot with the cache) as the chunk at ``start`` sees it:
     the slots before ``piece`` (a window's cache may have dropped some), then the piece."""
     held = cache.length - (piece[1] - piece[0])
-    return _Keys(keys, values, held, piece, cache.positions[:held] - start)
+    return _Keys(keys, values, held, piece, cache.positions[:held], start)
 
 
 def _pass_q(kernel: AttentionKernel, q: torch.Tensor, keys: _Keys, cache: ShardedKVCache, start: int, scale: float,
@@ -153,13 +156,14 @@ def _pass_q(kernel: AttentionKernel, q: torch.Tensor, keys: _Keys, cache: Sharde
 class _Keys(NamedTuple):
     """One shard as a chunk's queries see it: ``old`` cached tokens (all before the chunk) in the first slots of
     ``k`` / ``v``, then its ``piece`` ``[a, b)`` of the chunk (chunk coordinates). ``positions``: the old tokens'
-    positions relative to the chunk's first token (negative, increasing; host), needed only with a window."""
+    global positions (increasing; a host view) and ``start`` the chunk's first, needed only with a window."""
 
     k: torch.Tensor
     v: torch.Tensor
     old: int
     piece: tuple[int, int]
     positions: torch.Tensor | None = None
+    start: int = 0
 
 
 def _blocks(keys: _Keys, rows: tuple[int, int], window: int | None, native_window: bool) -> list[BlockTask]:
@@ -169,7 +173,7 @@ def _blocks(keys: _Keys, rows: tuple[int, int], window: int | None, native_windo
     if window is None:
         blocks = [BlockTask(slice(0, r1 - r0), slice(0, keys.old), False)] if keys.old else []
         return blocks + [shifted(t, -r0, keys.old - a) for t in interval_blocks(rows, keys.piece, True)]
-    old = keys.positions
+    old = keys.positions - keys.start  # chunk coordinates: negative
     seen_by_first = int(torch.searchsorted(old, r0 - window, right=True))  # slots before: seen by no row
     seen_by_all = int(torch.searchsorted(old, r1 - 1 - window, right=True))  # slots from here: seen by every row
     blocks = [BlockTask(slice(0, r1 - r0), slice(seen_by_all, keys.old), False)] if seen_by_all < keys.old else []

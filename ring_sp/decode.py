@@ -195,6 +195,13 @@ def _with_room(tokens: int) -> int:
     return tokens + max(16, tokens // 8)
 
 
+def check_fits_cache(k: torch.Tensor, v: torch.Tensor, cache: ShardedKVCache, what: str) -> None:
+    """New tokens' ``k`` / ``v`` have the cache's batch, KV heads and head sizes (``what``: "token", "chunk")."""
+    if k.shape[2:] != cache.k.shape[2:] or v.shape[2:] != cache.v.shape[2:] or k.shape[0] != cache.k.shape[0]:
+        raise ValueError(f"the {what}'s k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's "
+                         f"k {tuple(cache.k.shape)} / v {tuple(cache.v.shape)} (batch, KV heads, head sizes)")
+
+
 def check_window(window: int | None, cache: ShardedKVCache | None = None) -> None:
     """``window`` is a positive int or None, and, for a call on ``cache``, the window the cache was made for
     (a cache with a window dropped the keys outside it)."""
@@ -258,9 +265,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: S
     if q.dim() != 4 or q.shape[1] != 1 or k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: one token each, "
                          f"q [b, 1, h, d], k [b, 1, h_kv, d], v [b, 1, h_kv, d_v]")
-    if k.shape[2:] != cache.k.shape[2:] or v.shape[2:] != cache.v.shape[2:] or k.shape[0] != cache.k.shape[0]:
-        raise ValueError(f"the token's k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's "
-                         f"k {tuple(cache.k.shape)} / v {tuple(cache.v.shape)} (batch, KV heads, head sizes)")
+    check_fits_cache(k, v, cache, "token")
     check_window(window, cache)
     # resolved on every rank, whether or not it sees a key: a bad backend raises everywhere, before any message
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], v.shape[-1])
@@ -281,16 +286,18 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[
     if q.dim() != 4 or q.shape[1] != 1 or k.shape[:2] != q.shape[:2] or q.shape[0] != len(caches):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}: one token per row, one cache per row "
                          f"({len(caches)} caches)")
-    for cache in caches:
+    for i, cache in enumerate(caches):
+        check_fits_cache(k[i:i + 1], v[i:i + 1], cache, "token")
         check_window(window, cache)
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1], v.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     parts = [_stored_partial(kernel, q[i:i + 1], k[i:i + 1], v[i:i + 1], cache, window, scale)
              for i, cache in enumerate(caches)]
-    totals = torch.tensor([cache.total for cache in caches], device=q.device)
-    agree = totals if agree is None else torch.cat([agree.flatten().to(totals), totals])
+    totals = [cache.total for cache in caches]
+    mine = torch.tensor(totals, device=q.device)  # every row's cached total joins the agreement
+    agree = mine if agree is None else torch.cat([agree.flatten().to(mine), mine])
     out, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    stamp = (sum(cache.total for cache in caches), sum(p[2] for p in parts))
+    stamp = (sum(totals), sum(p[2] for p in parts))
     return merge_over_ranks(out, lse, stamp, caches[0].rank, group=group, agree=agree, sinks=sinks).to(q.dtype)
 
 

@@ -16,17 +16,12 @@ import torch
 import torch.distributed as dist
 
 import ring_sp
+from dist_cases import window_mask
 from oracle import OUT_TOL, make_inputs, oracle_attention
 from ring_sp.decode import ShardedKVCache, decode_attention, decode_rows, final_counts
 from ring_sp.layouts import rank_positions
 
 PROMPT, NEW = 24, 7
-
-
-def _window_mask(n: int, window: int | None) -> torch.Tensor:
-    i = torch.arange(n)
-    visible = i[None, :] <= i[:, None]
-    return visible if window is None else visible & (i[None, :] > i[:, None] - window)
 
 
 def decode_case(layout: str, dtype: str, window: int | None, sinks: bool, d_v: int | None, seed: int,
@@ -43,7 +38,7 @@ def decode_case(layout: str, dtype: str, window: int | None, sinks: bool, d_v: i
     capacity = PROMPT // world + math.ceil(NEW / world)
     cache = ShardedKVCache.from_prefill(prompt_k, prompt_v, rank_positions(layout, world, PROMPT, rank), capacity=capacity,
                                         group=group)
-    want_out, _ = oracle_attention(q, k, v, causal=True, mask=_window_mask(PROMPT + NEW, window), sinks=inputs.get("sinks"))
+    want_out, _ = oracle_attention(q, k, v, causal=True, mask=window_mask(PROMPT + NEW, window or PROMPT + NEW), sinks=inputs.get("sinks"))
     errors = []
     for t in range(PROMPT, PROMPT + NEW):
         out = decode_attention(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache, window=window, sinks=inputs.get("sinks"),
@@ -167,7 +162,7 @@ def module_case(window: int | None) -> dict:
     q, k, v, sinks = inputs["q"], inputs["k"], inputs["v"], inputs["sinks"]
     shard = [topo.shard_sequence(x[:, :PROMPT], layout="zigzag") for x in (q, k, v)]
     out, cache = attn.prefill(*shard, capacity=PROMPT // 4 + math.ceil(NEW / 4), sinks=sinks)
-    want, _ = oracle_attention(q, k, v, causal=True, mask=_window_mask(PROMPT + NEW, window), sinks=sinks)
+    want, _ = oracle_attention(q, k, v, causal=True, mask=window_mask(PROMPT + NEW, window or PROMPT + NEW), sinks=sinks)
     errors = [(out - topo.shard_sequence(want[:, :PROMPT], layout="zigzag")).abs().max().item()]
     for t in range(PROMPT, PROMPT + NEW):
         step = attn.decode(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache, sinks=sinks)
@@ -239,7 +234,7 @@ def windowed_cache_case(layout: str, window: int) -> dict:
     prompt_k, prompt_v = (ring_sp.shard_sequence(x[:, :LONG], rank=rank, world_size=world, layout=layout) for x in (k, v))
     cache = ShardedKVCache.from_prefill(prompt_k, prompt_v, rank_positions(layout, world, LONG, rank),
                                         capacity=LONG // world + math.ceil((total - LONG) / world), window=window)
-    want, _ = oracle_attention(q, k, v, causal=True, mask=_window_mask(total, window))
+    want, _ = oracle_attention(q, k, v, causal=True, mask=window_mask(total, window))
     errors, slots, at = [], [cache.capacity], LONG
     for n in [1] * 24 + [6] + [1] * 24:
         new = slice(at, at + n)

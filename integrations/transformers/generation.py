@@ -254,20 +254,22 @@ def cached_forward(call: Callable[..., Any], model: Any, registration: Any, kwar
         if mask is None or left_pads(torch.as_tensor(mask)) != cache.pads:
             raise UnsupportedFeatureError(f"{where}: the prefill's attention_mask is not the padding generate() agreed "
                                           f"on ({cache.pads} per row)")
-        outs = [_prefill(call, model, registration, kwargs, ids[row:row + 1, pad:], cache, row)
+        layers = (layer_windows(model.config), latent_layers(model))  # read once for every row
+        outs = [_prefill(call, registration, kwargs, ids[row:row + 1, pad:], cache, layers, row)
                 for row, pad in enumerate(cache.pads)]
         outs[-1].logits = torch.cat([out.logits for out in outs])
         return outs[-1]
     padding = _padding_error(where, mask)  # generate()'s mask: from the agreed prompt
     if padding is not None:
         raise padding
-    return _prefill(call, model, registration, kwargs, ids, cache)
+    return _prefill(call, registration, kwargs, ids, cache, (layer_windows(model.config), latent_layers(model)))
 
 
-def _prefill(call: Callable[..., Any], model: Any, registration: Any, kwargs: dict[str, Any], ids: torch.Tensor,
-             cache: RingSPCache, row: int | None = None) -> Any:
-    """The prompt ``ids`` ``[b, n]`` (no padding) through the grid into ``cache`` (``row``: of a padded batch);
-    the output with the last token's logits ``[b, 1, vocab]`` on every rank."""
+def _prefill(call: Callable[..., Any], registration: Any, kwargs: dict[str, Any], ids: torch.Tensor,
+             cache: RingSPCache, layers: tuple[list[int | None], frozenset[int]], row: int | None = None) -> Any:
+    """The prompt ``ids`` ``[b, n]`` (no padding) through the grid into ``cache`` (``layers``: each layer's window
+    and the MLA layers; ``row``: of a padded batch); the output with the last token's logits ``[b, 1, vocab]``
+    on every rank."""
     topology, layout = registration.topology, registration.layout
     b, n = ids.shape
     padded = padded_length(n, "zigzag" if layout in ("auto", "document_zigzag") else layout, topology.sp_size)
@@ -277,8 +279,7 @@ def _prefill(call: Callable[..., Any], model: Any, registration: Any, kwargs: di
                         shift=False)
     shard.pop("labels")
     positions = shard["position_ids"][0]
-    prefill, owner = _prefill_shard(cache, topology, n, positions, layer_windows(model.config), latent_layers(model),
-                                    row)
+    prefill, owner = _prefill_shard(cache, topology, n, positions, *layers, row)
     last = (positions == n - 1).nonzero().flatten()  # the prompt's last token, on the owner
     index = torch.tensor([int(last[0]) if last.numel() else 0], device=ids.device)
     rest = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids", "cache_position",

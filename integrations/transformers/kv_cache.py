@@ -191,9 +191,12 @@ class RingSPCache(Cache):
     @property
     def batch_size(self) -> int:
         """Rows the cache holds (0 before the prefill)."""
-        if not self.layers or self.layers[0].rows:
-            return len(self.layers[0].rows) if self.layers else 0
-        return 0 if self.layers[0].shard is None else self.layers[0].shard.k.shape[0]
+        if not self.layers:
+            return 0
+        first = self.layers[0]
+        if first.rows:
+            return len(first.rows)
+        return 0 if first.shard is None else first.shard.k.shape[0]
 
     @property
     def nbytes(self) -> int:

@@ -157,3 +157,24 @@ def test_a_window_with_pass_kv_or_a_bad_window_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="window=0 must be a positive int"):
         ring_sp.chunk_attention(*new, cache, window=0)
     assert cache.counts == [2]  # refused before anything was stored
+
+
+def test_stored_attention_and_decode_rows_name_malformed_input() -> None:
+    """What a caller builds by hand: keys that are not the whole shard, a piece not within the newest tokens,
+    one cache too few for the rows, a row whose KV heads are not its cache's."""
+    from ring_sp.decode import decode_rows
+
+    inputs = make_inputs(1, 1, 6, 2, 1, 4, torch.float64)
+    cache = ShardedKVCache.holding(inputs["k"][:, :5], inputs["v"][:, :5], torch.arange(5), rank=0, counts=[5],
+                                   capacities=[6])
+    q = inputs["q"][:, 4:5]
+    with pytest.raises(ValueError, match=r"this rank's whole shard, \[b, 5, h_kv, d\]"):
+        ring_sp.stored_attention(q, cache.k[:, :4], cache.v[:, :4], cache, (0, 1))
+    with pytest.raises(ValueError, match=r"piece=\(0, 2\) is not this rank's part of the 1 newest tokens"):
+        ring_sp.stored_attention(q, cache.k[:, :5], cache.v[:, :5], cache, (0, 2))
+    new = [inputs[x][:, 5:] for x in ("q", "k", "v")]
+    with pytest.raises(ValueError, match=r"one token per row, one cache per row \(2 caches\)"):
+        decode_rows(*new, [cache, cache])
+    with pytest.raises(ValueError, match=r"the token's k .* do not match the cache's"):
+        decode_rows(new[0], new[1].expand(1, 1, 2, 4), new[2].expand(1, 1, 2, 4), [cache])
+    assert cache.counts == [5]  # refused before anything was stored

@@ -49,11 +49,11 @@ quickstart: $(STAMP)
 # ranks they got about one core (kill-and-resume 46-57 s against 25 s alone), so `make test` runs
 # them after the rest, one at a time, with the machine to themselves (docs/testing.md).
 # A plain `pytest` runs every file in its two workers.
-SOLO_TESTS ?= tests/test_resume.py tests/test_multinode.py
+SOLO_TESTS := tests/test_resume.py tests/test_multinode.py
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest $(addprefix --ignore=,$(SOLO_TESTS))
-	$(VENV)/bin/python -m pytest -n 0 $(SOLO_TESTS)
+	$(if $(SOLO_TESTS),$(VENV)/bin/python -m pytest -n 0 $(SOLO_TESTS))
 
 test-newest:
 	rm -rf $(NEWEST_VENV)

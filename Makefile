@@ -45,7 +45,7 @@ quickstart: $(STAMP)
 	$(VENV)/bin/python examples/quickstart.py
 
 # Test files whose tests launch an example several times each (a launcher and 2-4 ranks per launch,
-# every process importing torch and DeepSpeed: 40-60 s of CPU per test). Beside the other worker's
+# every process importing torch and DeepSpeed: 30-45 s of CPU per test). Beside the other worker's
 # ranks they got about one core (kill-and-resume 46-57 s against 25 s alone), so `make test` runs
 # them after the rest, one at a time, with the machine to themselves (docs/testing.md).
 # A plain `pytest` runs every file in its two workers.
